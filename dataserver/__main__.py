@@ -1,0 +1,5 @@
+import sys
+
+from dataserver.cli import main
+
+sys.exit(main())

@@ -1,0 +1,196 @@
+"""The data server's HTTP API (FastAPI): datasets, jobs, plans and the batch stream."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Response
+from fastapi.responses import StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from pydantic import BaseModel, Field
+
+from dataserver.catalog import Catalog, DatasetError
+from dataserver.config import ServeConfig
+from dataserver.httpserver import BearerAuth, load_token
+from dataserver.jobs import Job, JobConflict, JobError, JobRegistry, JobSpec
+from dataserver.planner import Generation
+from dataserver.stream import MEDIA_TYPE, encode_steps
+
+log = logging.getLogger(__name__)
+
+
+class JobCreate(BaseModel):
+    name: str = Field(min_length=1, max_length=128)
+    dataset: str = Field(min_length=1, max_length=256)
+    dp: int = Field(ge=1, le=1 << 20)
+    batch_per_rank: int = Field(ge=1, le=1 << 20)
+    seed: int = Field(default=0, ge=0, lt=1 << 63)
+    max_steps: int | None = Field(default=None, ge=1)
+
+
+class GenerationCreate(BaseModel):
+    start_step: int = Field(ge=1)
+    dp: int = Field(ge=1, le=1 << 20)
+    batch_per_rank: int = Field(ge=1, le=1 << 20)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.steps = Counter("ffplane_dataserver_steps_served", "Batches (one per TID) streamed", ["job"], registry=self.registry)
+        self.bytes = Counter("ffplane_dataserver_bytes_served", "Arrow IPC bytes streamed", ["job"], registry=self.registry)
+
+
+def _job_view(job: Job, catalog: Catalog) -> dict[str, Any]:
+    spec = job.spec
+    return {
+        "name": spec.name,
+        "dataset": catalog.get(spec.dataset).describe(),
+        "seed": spec.seed,
+        "max_steps": spec.max_steps,
+        "generations": [
+            {"start_step": g.start_step, "dp": g.dp, "batch_per_rank": g.batch_per_rank}
+            for g in spec.generations
+        ],
+    }
+
+
+def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
+    """The data server app; ``token`` defaults to the configured token file or environment."""
+    catalog = Catalog(config.data_dir)
+    jobs = JobRegistry(config.resolved_state_dir())
+    auth = BearerAuth(token if token is not None else load_token(config.token_file))
+    metrics = _Metrics()
+    needs_token = [Depends(auth)]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        names = jobs.load(lambda ds: catalog.get(ds).num_samples)
+        log.info("dataserver ready", extra={"datasets": catalog.names(), "jobs": names})
+        yield
+        catalog.close()
+
+    app = FastAPI(title="ffplane dataserver", version="0.1.0", lifespan=lifespan)
+
+    def job_or_404(name: str) -> Job:
+        try:
+            return jobs.get(name)
+        except KeyError as exc:
+            raise HTTPException(404, str(exc.args[0])) from exc
+
+    @app.get("/v1/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/datasets")
+    def list_datasets() -> list[dict[str, Any]]:
+        out = []
+        for name in catalog.names():
+            try:
+                out.append(catalog.get(name).describe())
+            except DatasetError as exc:
+                out.append({"name": name, "error": str(exc)})
+        return out
+
+    @app.get("/v1/datasets/{name}")
+    def get_dataset(name: str) -> dict[str, Any]:
+        try:
+            return catalog.get(name).describe()
+        except KeyError as exc:
+            raise HTTPException(404, str(exc.args[0])) from exc
+        except DatasetError as exc:
+            raise HTTPException(422, str(exc)) from exc
+
+    @app.post("/v1/jobs", status_code=201, dependencies=needs_token)
+    def create_job(body: JobCreate, response: Response) -> dict[str, Any]:
+        try:
+            dataset = catalog.get(body.dataset)
+        except KeyError as exc:
+            raise HTTPException(404, str(exc.args[0])) from exc
+        except DatasetError as exc:
+            raise HTTPException(422, str(exc)) from exc
+        try:
+            spec = JobSpec(**body.model_dump())
+            job, created = jobs.create(spec, dataset.num_samples)
+        except JobConflict as exc:
+            raise HTTPException(409, str(exc)) from exc
+        except (JobError, ValueError) as exc:
+            raise HTTPException(422, str(exc)) from exc
+        if not created:
+            response.status_code = 200
+        log.info("job created" if created else "job exists", extra={"job": spec.name})
+        return _job_view(job, catalog)
+
+    @app.get("/v1/jobs")
+    def list_jobs() -> list[str]:
+        return jobs.names()
+
+    @app.get("/v1/jobs/{name}")
+    def get_job(name: str) -> dict[str, Any]:
+        return _job_view(job_or_404(name), catalog)
+
+    @app.post("/v1/jobs/{name}/generations", dependencies=needs_token)
+    def add_generation(name: str, body: GenerationCreate) -> dict[str, Any]:
+        job_or_404(name)
+        try:
+            job = jobs.add_generation(name, Generation(**body.model_dump()))
+        except ValueError as exc:
+            raise HTTPException(409, str(exc)) from exc
+        log.info("new generation", extra={"job": name, **body.model_dump()})
+        return _job_view(job, catalog)
+
+    def check_tid(job: Job, dp_rank: int, step: int) -> None:
+        try:
+            job.check_step(step)
+            gen, _ = job.planner.generation_at(step)
+        except ValueError as exc:
+            raise HTTPException(416, str(exc)) from exc
+        if dp_rank >= gen.dp:
+            raise HTTPException(
+                416, f"dp_rank {dp_rank} out of range: step {step} has dp={gen.dp}"
+            )
+
+    @app.get("/v1/jobs/{name}/plan")
+    def get_plan(name: str, dp_rank: Annotated[int, Query(ge=0)], step: Annotated[int, Query(ge=0)]) -> dict[str, Any]:
+        job = job_or_404(name)
+        check_tid(job, dp_rank, step)
+        plan = job.planner.plan(dp_rank, step)
+        return {"step": step, "dp_rank": dp_rank, "epoch": plan.epoch, "indices": plan.indices.tolist()}
+
+    @app.get(
+        "/v1/jobs/{name}/batches",
+        response_class=StreamingResponse,
+        responses={200: {"content": {MEDIA_TYPE: {}}}},
+        dependencies=needs_token,
+    )
+    def stream_batches(
+        name: str,
+        dp_rank: Annotated[int, Query(ge=0)],
+        start: Annotated[int, Query(ge=0)],
+        count: Annotated[int, Query(ge=1)] = 1,
+    ) -> StreamingResponse:
+        """The batches of ``dp_rank`` for steps ``start .. start+count-1`` as one Arrow IPC stream."""
+        job = job_or_404(name)
+        if count > config.max_steps_per_request:
+            raise HTTPException(413, f"count={count} exceeds the limit of {config.max_steps_per_request} steps per request")
+        for step in range(start, start + count):
+            check_tid(job, dp_rank, step)
+        dataset = catalog.get(job.spec.dataset)
+        steps = range(start, start + count)
+
+        def body() -> Iterator[bytes]:
+            for chunk in encode_steps(dataset, job.planner, dp_rank, steps):
+                metrics.bytes.labels(name).inc(len(chunk))
+                yield chunk
+            metrics.steps.labels(name).inc(count)
+
+        return StreamingResponse(body(), media_type=MEDIA_TYPE, headers={"X-FFplane-Steps": f"{start}-{start + count - 1}"})
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

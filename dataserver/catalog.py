@@ -1,0 +1,97 @@
+"""Datasets the server can plan over and read from: a name, a length, a schema, and ``take``.
+
+Two served forms, both opened read-only and memory-mapped:
+
+* an ffplane Arrow dataset — a directory holding ``manifest.json`` and Arrow IPC file shards,
+  as written by ``dataserver ingest`` (see :mod:`dataserver.ingest`);
+* an LMDB environment (a directory holding ``data.mdb``), key scheme in :mod:`dataserver._lmdb_dataset`.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+SAMPLE_INDEX_COLUMN = "_sample_index"
+
+
+class DatasetError(Exception):
+    """A dataset is missing, malformed or cannot be read; the message says which and why."""
+
+
+class Dataset(abc.ABC):
+    """A random-access table of samples."""
+
+    name: str
+    num_samples: int
+    schema: pa.Schema
+
+    @abc.abstractmethod
+    def take(self, indices: np.ndarray) -> pa.RecordBatch:
+        """Rows ``indices`` (int64, any order, each in ``[0, num_samples)``), in that order."""
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "format": type(self).__name__,
+            "num_samples": self.num_samples,
+            "columns": {f.name: str(f.type) for f in self.schema},
+        }
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release file handles and mappings."""
+
+
+def open_dataset(path: str | os.PathLike[str], name: str | None = None) -> Dataset:
+    """Open the dataset stored at ``path``, recognising its form from its files."""
+    from dataserver._arrow_dataset import MANIFEST_NAME, ArrowDataset
+    from dataserver._lmdb_dataset import LmdbDataset
+
+    p = Path(path)
+    name = name or p.name
+    if (p / MANIFEST_NAME).is_file():
+        return ArrowDataset(p, name)
+    if (p / "data.mdb").is_file():
+        return LmdbDataset(p, name)
+    raise DatasetError(
+        f"{p} is not a dataset: expected {MANIFEST_NAME} (run `dataserver ingest ... --out {p}`) "
+        "or an LMDB environment (data.mdb)"
+    )
+
+
+class Catalog:
+    """Every dataset under one directory, by folder name; opened on first use."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise DatasetError(f"dataset directory {self.root} does not exist")
+        self._open: dict[str, Dataset] = {}
+
+    def names(self) -> list[str]:
+        return sorted(
+            d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(".")
+        )
+
+    def get(self, name: str) -> Dataset:
+        ds = self._open.get(name)
+        if ds is None:
+            if "/" in name or name.startswith(".") or not (self.root / name).is_dir():
+                raise KeyError(f"unknown dataset {name!r}; known: {self.names()}")
+            ds = open_dataset(self.root / name, name)
+            self._open[name] = ds
+        return ds
+
+    def close(self) -> None:
+        for ds in self._open.values():
+            ds.close()
+        self._open.clear()
+
+
+def with_sample_index(batch: pa.RecordBatch, indices: np.ndarray) -> pa.RecordBatch:
+    """Append the dataset index of every row, so consumers can audit exactly-once delivery."""
+    return batch.append_column(SAMPLE_INDEX_COLUMN, pa.array(indices, pa.int64()))

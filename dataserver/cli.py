@@ -1,0 +1,84 @@
+"""``dataserver`` command line: ``ingest`` datasets, ``serve`` them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dataserver.config import ServeConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dataserver", description="ffplane data server")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    ing = sub.add_parser("ingest", help="convert JSONL/JSONL.GZ/Parquet/Arrow sources into a served dataset")
+    ing.add_argument("sources", nargs="+", type=Path, metavar="SRC")
+    ing.add_argument("--out", type=Path, required=True, help="new dataset directory (under serve's --data-dir)")
+    ing.add_argument("--shard-mb", type=int, default=256, help="target shard size in MiB")
+    ing.add_argument("--binary-field", action="append", default=[], help="JSONL field holding base64 bytes (repeatable)")
+    ing.add_argument("--list-int-type", choices=["int32", "int64"], default="int32", help="type of JSON integer lists (token ids)")
+    ing.add_argument("--no-progress", action="store_true")
+
+    srv = sub.add_parser("serve", help="serve datasets and jobs over HTTP")
+    d = ServeConfig(data_dir=Path("."))
+    srv.add_argument("--data-dir", type=Path, required=True)
+    srv.add_argument("--host", default=d.host)
+    srv.add_argument("--port", type=int, default=d.port, help="0 picks a free port (see --ready-file)")
+    srv.add_argument("--state-dir", type=Path, default=None, help="job records (default <data-dir>/.ffplane-jobs)")
+    srv.add_argument("--token-file", default=None, help="job bearer token (else $FFPLANE_TOKEN_FILE or $FFPLANE_TOKEN)")
+    srv.add_argument("--ready-file", default=None, help="write {host,port,pid} JSON here once listening")
+    srv.add_argument("--max-steps-per-request", type=int, default=d.max_steps_per_request)
+    srv.add_argument("--log-level", default=d.log_level)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "ingest":
+        from dataserver.ingest import IngestConfig, IngestError, ingest
+
+        cfg = IngestConfig(
+            sources=args.sources,
+            out=args.out,
+            shard_bytes=args.shard_mb << 20,
+            binary_fields=args.binary_field,
+            list_int_type=args.list_int_type,
+            progress=not args.no_progress,
+        )
+        try:
+            manifest = ingest(cfg)
+        except IngestError as exc:
+            print(f"dataserver ingest: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {manifest['num_samples']} samples in {len(manifest['shards'])} shards to {args.out}")
+        return 0
+
+    from dataserver.app import create_app
+    from dataserver.httpserver import load_token, serve, setup_logging
+
+    cfg_s = ServeConfig(
+        data_dir=args.data_dir,
+        host=args.host,
+        port=args.port,
+        state_dir=args.state_dir,
+        token_file=args.token_file,
+        ready_file=args.ready_file,
+        max_steps_per_request=args.max_steps_per_request,
+        log_level=args.log_level,
+    )
+    setup_logging(cfg_s.log_level)
+    token = load_token(cfg_s.token_file)
+    if token is None:
+        print("dataserver serve: error: no job token; set FFPLANE_TOKEN or pass --token-file", file=sys.stderr)
+        return 2
+    if not cfg_s.data_dir.is_dir():
+        print(f"dataserver serve: error: --data-dir {cfg_s.data_dir} is not a directory", file=sys.stderr)
+        return 2
+    serve(create_app(cfg_s, token), cfg_s.host, cfg_s.port, cfg_s.ready_file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

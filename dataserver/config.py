@@ -1,0 +1,21 @@
+"""The data server's one configuration object; ``dataserver serve`` mirrors it flag for flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ServeConfig:
+    data_dir: Path  # one sub-folder per dataset (ffplane Arrow dataset or LMDB environment)
+    host: str = "127.0.0.1"
+    port: int = 8470
+    state_dir: Path | None = None  # job records; default <data_dir>/.ffplane-jobs
+    token_file: str | None = None  # else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN
+    ready_file: str | None = None  # JSON {"host","port","pid"} written once listening
+    max_steps_per_request: int = 256
+    log_level: str = "info"
+
+    def resolved_state_dir(self) -> Path:
+        return self.state_dir or self.data_dir / ".ffplane-jobs"

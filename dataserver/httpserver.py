@@ -1,0 +1,117 @@
+"""Process plumbing shared by ffplane's servers: JSON log lines, bearer tokens, serving an app.
+
+Both the data server and the node daemon run FastAPI on uvicorn the same way: bind first (so an
+ephemeral port is known), publish ``{"host", "port", "pid"}`` to a ready file for whoever started
+the process, then serve until SIGTERM/SIGINT with uvicorn's graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import HTTPException, Request
+
+TOKEN_ENV = "FFPLANE_TOKEN"
+TOKEN_FILE_ENV = "FFPLANE_TOKEN_FILE"
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any ``extra=`` fields."""
+
+    _std = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        line.update({k: v for k, v in record.__dict__.items() if k not in self._std})
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def setup_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def load_token(token_file: str | None = None) -> str | None:
+    """The job's bearer token: ``token_file``, else ``$FFPLANE_TOKEN_FILE``, else ``$FFPLANE_TOKEN``."""
+    path = token_file or os.environ.get(TOKEN_FILE_ENV)
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"cannot read the token file {path}: {exc}") from exc
+        if not token:
+            raise SystemExit(f"the token file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+class BearerAuth:
+    """FastAPI dependency: 401 unless ``Authorization: Bearer <token>`` matches."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+
+    def __call__(self, request: Request) -> None:
+        if self.token is None:
+            raise HTTPException(503, "this server has no token configured; set FFPLANE_TOKEN")
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip(), self.token):
+            raise HTTPException(
+                401,
+                "missing or wrong bearer token: send 'Authorization: Bearer <job token>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"cannot listen on {host}:{port}: {exc}") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def write_ready_file(path: str | None, **info: Any) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "started": time.time(), **info}, f)
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+def serve(app: Any, host: str, port: int, ready_file: str | None = None, **ready: Any) -> None:
+    """Serve ``app`` until SIGTERM/SIGINT; the ready file names the bound port."""
+    sock = bind(host, port)
+    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    write_ready_file(ready_file, host=host, port=bound_port, **ready)
+    logging.getLogger(__name__).info("listening", extra={"host": host, "port": bound_port})
+    server.run(sockets=[sock])

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dataserver.ingest import IngestConfig, ingest
+from tests._servers import TOKEN, Proc, start
+
+SEQ_LEN = 16
+
+
+def write_token_parquet(path: Path, n: int, seq_len: int = SEQ_LEN, seed: int = 0) -> np.ndarray:
+    """A tokenised-text source: row i is ``seq_len`` int token ids derived from i."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50_000, size=(n, seq_len), dtype=np.int64)
+    tokens[:, 0] = np.arange(n)  # makes every row unique and traceable to its index
+    pq.write_table(pa.table({"tokens": pa.array(list(tokens))}), path)
+    return tokens
+
+
+def write_image_arrow(path: Path, n: int, seed: int = 1) -> list[bytes]:
+    """Variable-length binary samples with a label, like encoded images."""
+    rng = np.random.default_rng(seed)
+    blobs = [i.to_bytes(4, "little") + rng.bytes(int(rng.integers(1, 300))) for i in range(n)]
+    table = pa.table({"image": pa.array(blobs, pa.binary()), "label": pa.array(np.arange(n) % 10)})
+    with pa.ipc.new_file(str(path), table.schema) as w:
+        w.write_table(table, max_chunksize=37)  # many record batches: exercises cross-chunk takes
+    return blobs
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    """Two datasets: ``tokens`` (300 rows of 16 int32) and ``images`` (250 binary rows)."""
+    root = tmp_path / "datasets"
+    root.mkdir()
+    write_token_parquet(tmp_path / "tokens.parquet", 300)
+    ingest(IngestConfig([tmp_path / "tokens.parquet"], root / "tokens", shard_bytes=4096, progress=False))
+    write_image_arrow(tmp_path / "images.arrow", 250)
+    ingest(IngestConfig([tmp_path / "images.arrow"], root / "images", shard_bytes=8192, progress=False))
+    return root
+
+
+@pytest.fixture
+def dataserver(tmp_path: Path, data_dir: Path) -> Iterator[Proc]:
+    proc = start("dataserver", ["serve", "--data-dir", str(data_dir), "--port", "0"], tmp_path, "dataserver")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def shm_root() -> Iterator[Path]:
+    """A fresh ffplane root on tmpfs, removed afterwards."""
+    root = Path("/dev/shm") / f"ffplane-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+__all__ = ["TOKEN", "write_token_parquet", "write_image_arrow", "SEQ_LEN"]
