@@ -172,7 +172,7 @@ def _token_stream_class(streaming: types.ModuleType) -> type:
     global _TOKEN_STREAM
     if _TOKEN_STREAM is None:
 
-        class TokenStream(streaming.StreamingDataset):  # type: ignore[misc, name-defined]
+        class TokenStream(streaming.StreamingDataset):  # type: ignore[name-defined]
             def get_item(self, sample_id: int, retry: int = 7) -> torch.Tensor:
                 return torch.from_numpy(super().get_item(sample_id, retry)["tokens"])
 
@@ -228,7 +228,7 @@ def _write_arrow_shards(out_dir: str, total_bytes: int, row_len: int, rows_per_s
     """Random token shards (plus an ignored column) in Arrow IPC file format."""
     rng = np.random.default_rng(0)
     n_rows = total_bytes // (4 * row_len)
-    paths = []
+    paths: list[str] = []
     for start in range(0, n_rows, rows_per_shard):
         n = min(rows_per_shard, n_rows - start)
         tokens = rng.integers(0, 50_000, size=n * row_len, dtype=np.int32)

@@ -27,7 +27,7 @@ TOKEN_FILE_ENV = "FFPLANE_TOKEN_FILE"
 class JsonLogFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message and any ``extra=`` fields."""
 
-    _std = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+    _std = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "color_message"}
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {

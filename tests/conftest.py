@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,4 +68,33 @@ def shm_root() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-__all__ = ["TOKEN", "write_token_parquet", "write_image_arrow", "SEQ_LEN"]
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path, dataserver: Proc, shm_root: Path) -> Iterator[Callable[..., Proc]]:
+    """Start (and, by calling again, restart) the node daemon on ``shm_root``; stopped at the end."""
+    procs: list[Proc] = []
+
+    def _start(*extra: str, root: Path = shm_root, name: str = "daemon") -> Proc:
+        args = ["serve", "--dataserver", dataserver.url, "--root", str(root), "--port", "0", "--budget-mb", "256", *extra]
+        proc = start("statestore", args, tmp_path, f"{name}{len(procs)}")
+        procs.append(proc)
+        return proc
+
+    try:
+        yield _start
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def create_job(ds: Proc, **overrides: object) -> dict[str, object]:
+    body = {"name": "j1", "dataset": "tokens", "dp": 2, "batch_per_rank": 8, "seed": 5, "max_steps": 60}
+    body.update(overrides)
+    r = httpx.post(ds.url + "/v1/jobs", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code in (200, 201), r.text
+    result: dict[str, object] = r.json()
+    return result
+
+
+__all__ = ["SEQ_LEN", "TOKEN", "create_job", "write_image_arrow", "write_token_parquet"]

@@ -1,0 +1,5 @@
+import sys
+
+from statestore.cli import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""``statestore serve``: the node daemon."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from statestore.config import DaemonConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="statestore", description="ffplane node daemon")
+    sub = p.add_subparsers(dest="command", required=True)
+    srv = sub.add_parser("serve", help="run the node daemon")
+    d = DaemonConfig(dataserver="")
+    srv.add_argument("--dataserver", required=True, help="data server base URL, e.g. http://127.0.0.1:8470")
+    srv.add_argument("--root", type=Path, default=d.root, help="tmpfs directory for caches, slots and the index")
+    srv.add_argument("--host", default=d.host, help="ops HTTP address")
+    srv.add_argument("--port", type=int, default=d.port, help="ops HTTP port (0 picks one; see --ready-file)")
+    srv.add_argument("--budget-mb", type=int, default=d.budget_bytes >> 20, help="shared memory this daemon may use")
+    srv.add_argument("--window", type=int, default=d.window, help="steps prefetched ahead per dp rank")
+    srv.add_argument("--keep-consumed", type=int, default=d.keep_consumed, help="consumed steps kept for replay")
+    srv.add_argument("--fetch-concurrency", type=int, default=d.fetch_concurrency)
+    srv.add_argument("--fetch-retry-s", type=float, default=d.fetch_retry_s)
+    srv.add_argument("--token-file", default=None, help="job token (else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN)")
+    srv.add_argument("--ready-file", default=None)
+    srv.add_argument("--log-level", default=d.log_level)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from dataserver.httpserver import load_token, serve, setup_logging
+    from statestore.daemon import Daemon, create_app
+    from statestore.shm import ShmError
+
+    cfg = DaemonConfig(
+        dataserver=args.dataserver.rstrip("/"),
+        root=args.root,
+        host=args.host,
+        port=args.port,
+        budget_bytes=args.budget_mb << 20,
+        window=args.window,
+        keep_consumed=args.keep_consumed,
+        fetch_concurrency=args.fetch_concurrency,
+        fetch_retry_s=args.fetch_retry_s,
+        token_file=args.token_file,
+        ready_file=args.ready_file,
+        log_level=args.log_level,
+    )
+    setup_logging(cfg.log_level)
+    try:
+        daemon = Daemon(cfg, load_token(cfg.token_file))
+        daemon.prepare()
+    except (ShmError, ValueError) as exc:
+        print(f"statestore serve: error: {exc}", file=sys.stderr)
+        return 2
+    serve(create_app(daemon), cfg.host, cfg.port, cfg.ready_file, socket=str(cfg.socket_path), root=str(cfg.root))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

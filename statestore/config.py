@@ -1,0 +1,39 @@
+"""The node daemon's one configuration object; ``statestore serve`` mirrors it flag for flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_ROOT = Path("/dev/shm/ffplane")
+SOCKET_NAME = "daemon.sock"
+
+
+@dataclass
+class DaemonConfig:
+    dataserver: str  # base URL of the job's data server, e.g. http://10.0.0.1:8470
+    root: Path = DEFAULT_ROOT  # on tmpfs; data cache, slots and the LMDB index live here
+    host: str = "127.0.0.1"  # ops HTTP
+    port: int = 8471
+    budget_bytes: int = 4 << 30  # shared memory this daemon may fill
+    window: int = 4  # steps prefetched ahead of the slowest local reader of a dp rank
+    keep_consumed: int = 2  # consumed steps kept for replay after a restore
+    fetch_concurrency: int = 2  # HTTP fetches in flight across all dp ranks
+    fetch_retry_s: float = 30.0  # how long a waiting reader's fetch is retried on 5xx/unreachable
+    token_file: str | None = None  # else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN
+    ready_file: str | None = None
+    log_level: str = "info"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.root / SOCKET_NAME
+
+    def validate(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.keep_consumed < 0:
+            raise ValueError(f"keep_consumed must be >= 0, got {self.keep_consumed}")
+        if self.fetch_concurrency < 1:
+            raise ValueError(f"fetch_concurrency must be >= 1, got {self.fetch_concurrency}")
+        if self.budget_bytes < 1 << 20:
+            raise ValueError(f"budget_bytes must be >= 1 MiB, got {self.budget_bytes}")

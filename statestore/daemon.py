@@ -1,0 +1,100 @@
+"""The node daemon: wires the data cache, the control socket and the read-only ops HTTP API."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import IO, Any
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from statestore import shm
+from statestore.config import DaemonConfig
+from statestore.control import ControlServer
+from statestore.data_cache import DataCache
+from statestore.index import Index
+from statestore.metrics import registry_for
+
+log = logging.getLogger(__name__)
+
+
+class Daemon:
+    """Everything one node daemon owns. ``prepare()`` runs before serving and may refuse."""
+
+    def __init__(self, config: DaemonConfig, token: str | None) -> None:
+        config.validate()
+        self.config = config
+        self.token = token
+        self._lock: IO[bytes] | None = None
+        self.index: Index | None = None
+        self.cache: DataCache | None = None
+        self.control: ControlServer | None = None
+
+    def prepare(self) -> None:
+        """Lock the root, reclaim stale files, reattach, and check the tmpfs has room."""
+        root = self.config.root
+        self._lock = shm.acquire_root(root)
+        stale = shm.reclaim_stale(root)
+        self.index = Index(root)
+        self.cache = DataCache(self.config, self.index, self.token)
+        kept, dropped = self.cache.reattach()
+        shm.check_room(root, self.config.budget_bytes, already_ours=self.cache.cached_bytes())
+        log.info("root ready", extra={"root": str(root), "reattached_steps": kept, "dropped": dropped, "stale_tmp": stale})
+
+    async def start(self) -> None:
+        assert self.cache is not None
+        await self.cache.start()
+        self.control = ControlServer(self.cache, self.config.socket_path)
+        await self.control.start()
+        log.info("control socket ready", extra={"socket": str(self.config.socket_path)})
+
+    async def stop(self) -> None:
+        if self.control is not None:
+            await self.control.close()
+        if self.cache is not None:
+            await self.cache.close()
+        if self.index is not None:
+            self.index.close()
+        if self._lock is not None:
+            self._lock.close()
+
+
+def create_app(daemon: Daemon) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await daemon.start()
+        yield
+        await daemon.stop()
+
+    app = FastAPI(title="ffplane statestore (ops, read-only)", version="0.1.0", lifespan=lifespan)
+
+    @app.get("/v1/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/cache")
+    def cache() -> dict[str, Any]:
+        """What is cached per dp rank and step, bytes, hits/misses and prefetch lag."""
+        assert daemon.cache is not None
+        c = daemon.cache
+        return {
+            "root": str(daemon.config.root),
+            "window": daemon.config.window,
+            "budget_bytes": daemon.config.budget_bytes,
+            "bytes": c.cached_bytes(),
+            "fetched_bytes": c.bytes_fetched,
+            "streams": [s.describe(daemon.config.window) for s in c.streams.values()],
+        }
+
+    registry = None
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        nonlocal registry
+        assert daemon.cache is not None
+        registry = registry or registry_for(daemon.cache)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

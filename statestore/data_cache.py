@@ -1,0 +1,293 @@
+"""The node data cache: batches of the next W steps of every local dp rank, in shared memory.
+
+One *stream* per ``(job, dp_rank)`` whatever the number of local readers (tp/pp ranks of one dp
+rank share data, so they share one copy). Each step is one file — an Arrow IPC stream of one
+record batch, exactly the bytes the data server sent — written under a temporary name and
+published by rename, so readers map it zero-copy and never see it change. A stream prefetches
+steps ``[slowest reader, fastest reader + W)`` in step order (the step a reader waits on is
+always the lowest missing one, so order is priority), keeps ``keep_consumed`` steps behind the
+slowest reader for replay, and unlinks the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from statestore import shm
+from statestore.config import DaemonConfig
+from statestore.index import Index
+
+log = logging.getLogger(__name__)
+_CHUNK = 1 << 20
+
+
+class FetchError(Exception):
+    """The data server refused a step (``status`` is its HTTP status) or could not be reached."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class CachedStep:
+    path: Path
+    nbytes: int
+
+
+@dataclass
+class Stream:
+    job: str
+    dp_rank: int
+    directory: Path
+    token: str | None = None
+    readers: dict[int, int] = field(default_factory=dict)  # reader id → next step it needs
+    ready: dict[int, CachedStep] = field(default_factory=dict)
+    inflight: dict[int, asyncio.Future[CachedStep]] = field(default_factory=dict)
+    failed: dict[int, FetchError] = field(default_factory=dict)
+    end_step: int | None = None  # first step the data server refused as out of range
+    hits: int = 0
+    misses: int = 0
+    wait_s: float = 0.0
+    fetched: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    pump: asyncio.Task[None] | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.job}/{self.dp_rank}"
+
+    def window(self, ahead: int) -> tuple[int, int] | None:
+        if not self.readers:
+            return None
+        return min(self.readers.values()), max(self.readers.values()) + ahead
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.ready.values())
+
+    def describe(self, ahead: int) -> dict[str, Any]:
+        win = self.window(ahead)
+        lag = 0 if win is None else sum(1 for s in range(*win) if s not in self.ready)
+        return {
+            "job": self.job,
+            "dp_rank": self.dp_rank,
+            "readers": len(self.readers),
+            "reader_steps": sorted(self.readers.values()),
+            "steps": sorted(self.ready),
+            "fetching": sorted(self.inflight),
+            "bytes": self.nbytes(),
+            "hits": self.hits,
+            "misses": self.misses,
+            "fetched": self.fetched,
+            "prefetch_lag_steps": lag,
+            "reader_wait_s": round(self.wait_s, 6),
+        }
+
+
+def _index_key(job: str, dp_rank: int, step: int) -> str:
+    return f"data/{job}/{dp_rank}/{step:012d}"
+
+
+class DataCache:
+    def __init__(self, config: DaemonConfig, index: Index, token: str | None) -> None:
+        self.config = config
+        self.index = index
+        self.token = token
+        self.streams: dict[tuple[str, int], Stream] = {}
+        self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
+        self._session: aiohttp.ClientSession | None = None
+        self.bytes_fetched = 0
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def reattach(self) -> tuple[int, int]:
+        """Adopt every indexed step whose file is intact; drop the rest. Returns (kept, dropped)."""
+        kept = dropped = 0
+        known: set[Path] = set()
+        for key, entry in self.index.items("data/"):
+            _, job, rank, step = key.split("/")
+            path = self.config.root / entry["file"]
+            if path.is_file() and path.stat().st_size == entry["nbytes"]:
+                stream = self._stream(job, int(rank))
+                stream.ready[int(step)] = CachedStep(path, entry["nbytes"])
+                known.add(path)
+                kept += 1
+            else:
+                self.index.delete(key)
+                dropped += 1
+        for path in self.config.root.glob("*/data/*/*.arrow"):
+            if path not in known:  # published but never indexed: the daemon died in between
+                shm.unlink(path)
+                dropped += 1
+        return kept, dropped
+
+    def cached_bytes(self) -> int:
+        return sum(s.nbytes() for s in self.streams.values())
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60),
+            connector=aiohttp.TCPConnector(limit=self.config.fetch_concurrency * 2),
+        )
+
+    async def close(self) -> None:
+        for stream in self.streams.values():
+            if stream.pump is not None:
+                stream.pump.cancel()
+        for stream in self.streams.values():
+            for fut in stream.inflight.values():
+                fut.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    # --- reader protocol -----------------------------------------------------------------
+    def _stream(self, job: str, dp_rank: int) -> Stream:
+        stream = self.streams.get((job, dp_rank))
+        if stream is None:
+            directory = self.config.root / job / "data" / str(dp_rank)
+            directory.mkdir(parents=True, exist_ok=True)
+            stream = Stream(job, dp_rank, directory)
+            self.streams[(job, dp_rank)] = stream
+        return stream
+
+    def attach(self, reader: int, job: str, dp_rank: int, token: str | None) -> Stream:
+        stream = self._stream(job, dp_rank)
+        if token:
+            stream.token = token
+        if stream.pump is None or stream.pump.done():
+            stream.pump = asyncio.create_task(self._pump(stream), name=f"pump {stream.key}")
+        return stream
+
+    def detach(self, reader: int, stream: Stream) -> None:
+        stream.readers.pop(reader, None)
+
+    async def get(self, reader: int, stream: Stream, step: int) -> tuple[CachedStep, bool]:
+        """The cached file of ``step``, waiting for it if needed; also moves the reader's cursor."""
+        stream.readers[reader] = step
+        self._evict(stream)
+        stream.wake.set()
+        cached = stream.ready.get(step)
+        if cached is not None:
+            stream.hits += 1
+            return cached, True
+        stream.misses += 1
+        started = time.perf_counter()
+        try:
+            while True:
+                stream.failed.pop(step, None)  # a reader asking again is a retry
+                fut = stream.inflight.get(step) or self._start_fetch(stream, step)
+                try:
+                    return await asyncio.shield(fut), False
+                except FetchError as exc:
+                    stream.failed.pop(step, None)
+                    # A data server restarting or briefly unreachable is not the reader's problem.
+                    if exc.status < 500 or time.perf_counter() - started > self.config.fetch_retry_s:
+                        raise
+                    await asyncio.sleep(0.2)
+        finally:
+            stream.wait_s += time.perf_counter() - started
+
+    # --- prefetching ---------------------------------------------------------------------
+    async def _pump(self, stream: Stream) -> None:
+        while True:
+            await stream.wake.wait()
+            stream.wake.clear()
+            win = stream.window(self.config.window)
+            if win is None:
+                continue
+            for step in range(win[0], win[1] if stream.end_step is None else min(win[1], stream.end_step)):
+                if step in stream.ready or step in stream.inflight or step in stream.failed:
+                    continue
+                if len(stream.inflight) >= self.config.fetch_concurrency:
+                    break
+                if self.cached_bytes() + self._step_estimate(stream) > self.config.budget_bytes:
+                    log.warning("cache budget reached; prefetch paused", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step})
+                    break
+                self._start_fetch(stream, step)
+
+    def _step_estimate(self, stream: Stream) -> int:
+        return max((c.nbytes for c in stream.ready.values()), default=0)
+
+    def _start_fetch(self, stream: Stream, step: int) -> asyncio.Future[CachedStep]:
+        fut: asyncio.Future[CachedStep] = asyncio.get_running_loop().create_future()
+        stream.inflight[step] = fut
+        task = asyncio.create_task(self._fetch(stream, step, fut), name=f"fetch {stream.key}/{step}")
+        task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
+        return fut
+
+    async def _fetch(self, stream: Stream, step: int, fut: asyncio.Future[CachedStep]) -> None:
+        final = stream.directory / f"{step:012d}.arrow"
+        tmp = shm.tmp_path(final)
+        try:
+            async with self._fetch_slots:
+                cached = await self._download(stream, step, tmp, final)
+            stream.ready[step] = cached
+            stream.fetched += 1
+            fut.set_result(cached)
+        except FetchError as exc:
+            stream.failed[step] = exc
+            fut.set_exception(exc)
+            fut.exception()  # retrieved here; waiters get it from stream.failed / the future
+            if exc.status == 416:  # past the job's end: stop prefetching there
+                stream.end_step = step if stream.end_step is None else min(step, stream.end_step)
+            log.log(logging.INFO if exc.status == 416 else logging.WARNING, "fetch failed", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step, "error": str(exc)})
+        except BaseException as exc:
+            if not fut.done():
+                fut.cancel()
+            shm.unlink(tmp)
+            if not isinstance(exc, asyncio.CancelledError):
+                log.exception("fetch crashed", extra={"job": stream.job, "step": step})
+            raise
+        finally:
+            stream.inflight.pop(step, None)
+            stream.wake.set()
+
+    async def _download(self, stream: Stream, step: int, tmp: Path, final: Path) -> CachedStep:
+        assert self._session is not None
+        url = f"{self.config.dataserver}/v1/jobs/{stream.job}/batches"
+        token = stream.token or self.token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        params = {"dp_rank": str(stream.dp_rank), "start": str(step), "count": "1"}
+        nbytes = 0
+        try:
+            async with self._session.get(url, params=params, headers=headers) as resp:
+                if resp.status != 200:
+                    detail = (await resp.text())[:500]
+                    raise FetchError(f"data server answered {resp.status} for {stream.key} step {step}: {detail}", resp.status)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    async for chunk in resp.content.iter_chunked(_CHUNK):
+                        os.write(fd, chunk)
+                        nbytes += len(chunk)
+                finally:
+                    os.close(fd)
+        except aiohttp.ClientError as exc:
+            shm.unlink(tmp)
+            raise FetchError(f"cannot fetch {stream.key} step {step} from {self.config.dataserver}: {exc}") from exc
+        except FetchError:
+            shm.unlink(tmp)
+            raise
+        shm.publish(tmp, final)
+        self.index.put(_index_key(stream.job, stream.dp_rank, step), {"file": str(final.relative_to(self.config.root)), "nbytes": nbytes})
+        self.bytes_fetched += nbytes
+        return CachedStep(final, nbytes)
+
+    # --- eviction ------------------------------------------------------------------------
+    def _evict(self, stream: Stream) -> None:
+        win = stream.window(self.config.window)
+        if win is None:
+            return
+        floor = win[0] - self.config.keep_consumed
+        old = [s for s in stream.ready if s < floor or s >= win[1] + self.config.window]
+        for step in old:
+            cached = stream.ready.pop(step)
+            shm.unlink(cached.path)  # readers holding a mapping keep their pages
+        if old:
+            self.index.delete(*(_index_key(stream.job, stream.dp_rank, s) for s in old))

@@ -1,0 +1,74 @@
+"""Shared-memory discipline for files other processes may have mapped.
+
+Peers break on three things, so this module owns them:
+
+* a published segment is never truncated or rewritten — a reader with a live mapping would take
+  SIGBUS or see torn bytes. New content is written to a temporary name and published with
+  ``rename`` (atomic on one filesystem); eviction is ``unlink``, which leaves existing mappings
+  valid until their owners drop them;
+* temporary files of a writer that died are reclaimed at start-up (one daemon per root, enforced
+  with a lock, so every temporary file found then is stale);
+* the tmpfs must have room for the configured budget, checked before anything is written, because
+  running out later surfaces as SIGBUS in a reader rather than as an error.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import IO
+
+TMP_MARK = ".tmp-"
+
+
+class ShmError(RuntimeError):
+    """The shared-memory root is unusable; the message says how to fix it."""
+
+
+def acquire_root(root: Path) -> IO[bytes]:
+    """Create ``root`` and hold its lock for the life of the process (one daemon per root)."""
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root / "daemon.lock", "ab")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        lock.close()
+        raise ShmError(f"another statestore daemon already uses {root}; stop it or pick another --root") from exc
+    return lock
+
+
+def check_room(root: Path, budget_bytes: int, already_ours: int = 0) -> None:
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize
+    if free + already_ours < budget_bytes:
+        mib = 1 << 20
+        raise ShmError(
+            f"{root} has {free // mib} MiB free (+{already_ours // mib} MiB already ours) but the "
+            f"budget is {budget_bytes // mib} MiB. Lower --budget-mb, or give the tmpfs more room "
+            "(Docker's default /dev/shm is 64 MB: run with --shm-size=8g, or in Kubernetes mount an "
+            "emptyDir with medium: Memory and a sizeLimit)"
+        )
+
+
+def tmp_path(final: Path) -> Path:
+    return final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}")
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make a fully written ``tmp`` visible as ``final`` in one step."""
+    os.rename(tmp, final)
+
+
+def reclaim_stale(root: Path) -> int:
+    """Remove temporary files left by dead writers; returns how many."""
+    n = 0
+    for path in root.rglob(f"*{TMP_MARK}*"):
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            n += 1
+    return n
+
+
+def unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)

@@ -1,0 +1,185 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests._servers import TOKEN, Proc
+from tests.conftest import create_job
+from trainer_client import DataLoader, NotFoundError, TransportError
+
+JOB_STEPS = -(-3 * 300 // 16)  # three epochs of 300 samples, dp=2 x batch 8 per step
+
+
+def _read_all(loader: DataLoader) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.clone() for k, v in b.items()} for b in loader]
+
+
+def test_two_ranks_exactly_once_and_deterministic(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    create_job(dataserver, max_steps=JOB_STEPS)
+    start_daemon()
+    sock = shm_root / "daemon.sock"
+    runs = [[_read_all(DataLoader("j1", r, dataserver=dataserver.url, token=TOKEN, socket_path=sock)) for r in range(2)] for _ in range(2)]
+    # determinism: a second read of the whole job is byte-identical, per rank and step
+    for a, b in zip(runs[0], runs[1]):
+        assert len(a) == len(b) == JOB_STEPS
+        assert all(torch.equal(x["tokens"], y["tokens"]) for x, y in zip(a, b))
+    # exactly once: the steps of each epoch, over both ranks, hold every sample once
+    stream = np.concatenate([np.concatenate([runs[0][0][s]["_sample_index"], runs[0][1][s]["_sample_index"]]) for s in range(len(runs[0][0]))])
+    for epoch in range(3):
+        assert Counter(stream[epoch * 300 : (epoch + 1) * 300].tolist()) == Counter(range(300))
+    # the bytes are the dataset's: token 0 of a row is its index (see conftest)
+    assert torch.equal(runs[0][1][5]["tokens"][:, 0], runs[0][1][5]["_sample_index"])
+
+
+def test_zero_copy_view_is_private_and_fallback_matches(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    create_job(dataserver)
+    start_daemon()
+    cached = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", end_step=4)
+    batches = list(cached)
+    assert cached.source == "daemon"
+    original = batches[3]["tokens"].clone()
+    batches[3]["tokens"].zero_()  # training code scribbling on its batch must not reach the cache
+    again = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", start_step=3, end_step=4)
+    assert torch.equal(next(iter(again))["tokens"], original)
+    direct = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "absent.sock", start_step=3, end_step=4)
+    (b,) = list(direct)
+    assert direct.source == "dataserver"
+    assert torch.equal(b["tokens"], original)
+
+
+def test_binary_samples_and_transform(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    create_job(dataserver, name="img", dataset="images", dp=1, batch_per_rank=20, max_steps=5)
+    start_daemon()
+
+    def decode(batch: dict) -> tuple[list[int], torch.Tensor]:
+        return [int.from_bytes(bytes(m[:4]), "little") for m in batch["image"]], batch["label"]
+
+    loader = DataLoader("img", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", transform=decode)
+    out = list(loader)
+    assert len(out) == 5
+    for ids, labels in out:
+        assert labels.tolist() == [i % 10 for i in ids]
+
+
+def test_state_dict_round_trip_and_errors(dataserver: Proc) -> None:
+    create_job(dataserver)
+    loader = DataLoader("j1", 1, dataserver=dataserver.url, token=TOKEN, socket_path="/nonexistent.sock")
+    it = iter(loader)
+    for _ in range(7):
+        next(it)
+    state = loader.state_dict()
+    assert state == {"job": "j1", "dp_rank": 1, "next_step": 7}
+    resumed = DataLoader("j1", 1, dataserver=dataserver.url, token=TOKEN, socket_path="/nonexistent.sock")
+    resumed.load_state_dict(state)
+    assert torch.equal(next(iter(resumed))["tokens"], next(it)["tokens"])
+    with pytest.raises(Exception, match="state is for job 'j1' dp_rank 1"):
+        DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN).load_state_dict(state)
+    with pytest.raises(NotFoundError, match="unknown job 'nope'"):
+        DataLoader("nope", 0, dataserver=dataserver.url, token=TOKEN)
+    with pytest.raises(TransportError, match="no statestore daemon"):
+        next(iter(DataLoader("j1", 0, socket_path="/nonexistent.sock", end_step=1, reconnect_s=0)))
+
+
+def _reader(out: Path, dataserver: Proc, sock: Path, rank: int = 0) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "FFPLANE_DATASERVER": dataserver.url, "FFPLANE_TOKEN": TOKEN, "FFPLANE_DAEMON_SOCKET": str(sock)}
+    return subprocess.Popen([sys.executable, "-m", "tests.trainer_client._reader_worker", "j1", str(rank), str(out)], env=env, cwd=Path(__file__).parents[2])
+
+
+def _steps(out: Path) -> dict[int, set[str]]:
+    seen: dict[int, set[str]] = {}
+    for line in (out / "steps.txt").read_text().splitlines():
+        step, digest, _ = line.split()
+        seen.setdefault(int(step), set()).add(digest)
+    return seen
+
+
+def test_reader_sigkilled_mid_epoch_resumes_byte_identical(tmp_path: Path, dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    create_job(dataserver, max_steps=40)
+    start_daemon()
+    sock = shm_root / "daemon.sock"
+    ref, crashy = tmp_path / "ref", tmp_path / "crashy"
+    ref.mkdir(), crashy.mkdir()
+    p = _reader(ref, dataserver, sock)
+    try:
+        assert p.wait(timeout=120) == 0
+        expected = _steps(ref)
+        kills = 0
+        while True:
+            p = _reader(crashy, dataserver, sock)
+            lines = (crashy / "steps.txt").read_text().count("\n") if (crashy / "steps.txt").exists() else 0
+            target = lines + 7 + kills  # different offsets each time
+            deadline = time.monotonic() + 60
+            while p.poll() is None and time.monotonic() < deadline:
+                if (crashy / "steps.txt").exists() and (crashy / "steps.txt").read_text().count("\n") >= target:
+                    os.kill(p.pid, signal.SIGKILL)
+                    kills += 1
+                    break
+                time.sleep(0.005)
+            p.wait(timeout=30)
+            if p.returncode == 0:
+                break
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert kills >= 3
+    got = _steps(crashy)
+    assert sorted(got) == list(range(40))
+    assert all(got[s] == expected[s] and len(expected[s]) == 1 for s in got)
+
+
+def test_daemon_sigkilled_restarts_and_reattaches_without_refetch(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    from trainer_client._daemon_client import DaemonClient
+
+    create_job(dataserver)
+    daemon = start_daemon("--window", "6")
+    sock = shm_root / "daemon.sock"
+    client = DaemonClient(sock, 30)
+    client.call(op="open", job="j1", dp_rank=0, token=TOKEN)
+    client.call(op="get", step=10)
+    deadline = time.monotonic() + 30
+    files = sorted((shm_root / "j1" / "data" / "0").glob("*.arrow"))
+    while len(files) < 6 and time.monotonic() < deadline:  # the window 10..15 prefetched
+        time.sleep(0.05)
+        files = sorted((shm_root / "j1" / "data" / "0").glob("*.arrow"))
+    inodes = {f.name: f.stat().st_ino for f in files}
+    client.close()
+    daemon.kill(signal.SIGKILL)
+    (shm_root / "j1" / "data" / "0" / "000000000099.arrow.tmp-424242").write_bytes(b"half-written")
+    (shm_root / "j1" / "data" / "0" / "000000000098.arrow").write_bytes(b"never indexed")
+
+    restarted = start_daemon("--window", "6")
+    client = DaemonClient(sock, 30)
+    client.call(op="open", job="j1", dp_rank=0, token=TOKEN)
+    for name in inodes:
+        reply = client.call(op="get", step=int(name.split(".")[0]))
+        assert reply["hit"], f"{name} was refetched after the restart"
+        assert (shm_root / reply["path"]).stat().st_ino == inodes[name]
+    client.close()
+    left = {p.name for p in (shm_root / "j1" / "data" / "0").iterdir()}
+    assert "000000000099.arrow.tmp-424242" not in left and "000000000098.arrow" not in left
+    assert "reattached_steps" in restarted.log()
+
+
+def test_one_copy_per_node_for_many_readers(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    import httpx
+
+    create_job(dataserver, max_steps=12)
+    daemon = start_daemon()
+    loaders = [DataLoader("j1", 1, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock") for _ in range(3)]
+    outs = [list(zip(*[iter(lo) for lo in loaders]))]  # three tp-ranks of one dp rank, in lock step
+    assert all(torch.equal(a["tokens"], b["tokens"]) for triple in outs[0] for a, b in zip(triple, triple[1:]))
+    (stream,) = httpx.get(daemon.url + "/v1/cache").json()["streams"]
+    assert stream["fetched"] == 12  # each step fetched once, not once per reader
+    metrics = httpx.get(daemon.url + "/metrics").text
+    assert 'ffplane_cache_hits_total{dp_rank="1",job="j1"}' in metrics

@@ -1,0 +1,43 @@
+"""Blocking client of the daemon's Unix control socket (see ``statestore.control``)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from trainer_client.errors import FFTimeoutError, TransportError, for_status
+
+
+class DaemonClient:
+    def __init__(self, socket_path: Path, timeout_s: float) -> None:
+        self.socket_path = socket_path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect(str(socket_path))
+        except OSError as exc:
+            self._sock.close()
+            raise TransportError(f"no statestore daemon at {socket_path}: {exc}") from exc
+        self._file = self._sock.makefile("rb")
+        self.root = Path(socket_path).parent
+
+    def call(self, **msg: Any) -> dict[str, Any]:
+        try:
+            self._sock.sendall(json.dumps(msg).encode() + b"\n")
+            line = self._file.readline()
+        except socket.timeout as exc:
+            raise FFTimeoutError(f"daemon at {self.socket_path} did not answer {msg.get('op')!r} in time") from exc
+        except OSError as exc:
+            raise TransportError(f"daemon at {self.socket_path} went away: {exc}") from exc
+        if not line:
+            raise TransportError(f"daemon at {self.socket_path} closed the connection")
+        reply: dict[str, Any] = json.loads(line)
+        if not reply.get("ok"):
+            raise for_status(int(reply.get("status", 500)), str(reply.get("error")))
+        return reply
+
+    def close(self) -> None:
+        self._file.close()
+        self._sock.close()

@@ -1,0 +1,99 @@
+"""Where a DataLoader gets a step's bytes: the node daemon's cache, or the data server directly."""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from trainer_client._daemon_client import DaemonClient
+from trainer_client.batches import StepBytes
+from trainer_client.errors import CorruptError, TransportError, for_status
+
+log = logging.getLogger(__name__)
+Step = tuple[StepBytes, pa.RecordBatch, dict[str, str]]
+
+
+def _one(step_bytes: StepBytes, step: int, origin: str) -> Step:
+    try:
+        batches = step_bytes.read()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CorruptError(f"step {step} from {origin} is not a valid Arrow IPC stream: {exc}") from exc
+    if len(batches) != 1 or batches[0][1].get("step") != str(step):
+        raise CorruptError(f"{origin} returned the wrong batch for step {step}")
+    return step_bytes, *batches[0]
+
+
+class DaemonSource:
+    name = "daemon"
+
+    def __init__(self, socket_path: Path, job: str, dp_rank: int, token: str | None, timeout_s: float) -> None:
+        self.client = DaemonClient(socket_path, timeout_s)
+        self.client.call(op="open", job=job, dp_rank=dp_rank, token=token)
+
+    def get(self, step: int) -> Step:
+        reply = self.client.call(op="get", step=step)
+        path = self.client.root / reply["path"]
+        try:
+            step_bytes = StepBytes.map(path)
+        except FileNotFoundError as exc:  # evicted between reply and open: only on a far replay
+            raise TransportError(f"cached step {step} vanished at {path}") from exc
+        return _one(step_bytes, step, f"daemon cache {path}")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class HttpSource:
+    """Reads ``window`` steps per request straight from the data server (no daemon on this node)."""
+
+    name = "dataserver"
+
+    def __init__(self, url: str, job: str, dp_rank: int, token: str | None, timeout_s: float, window: int) -> None:
+        self.url, self.job, self.dp_rank = url.rstrip("/"), job, dp_rank
+        self.token, self.timeout_s, self.window = token, timeout_s, window
+        self.end_step: int | None = None  # the job's max_steps, set by the DataLoader
+        self._buffered: dict[int, Step] = {}
+
+    def _request(self, path: str, params: dict[str, Any] | None = None) -> bytes:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        req = urllib.request.Request(f"{self.url}{path}{query}")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                body: bytes = resp.read()
+                return body
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise for_status(exc.code, f"data server {self.url}{path}: {exc.code} {detail}") from exc
+        except OSError as exc:
+            raise TransportError(f"cannot reach the data server at {self.url}: {exc}") from exc
+
+    def job_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = json.loads(self._request(f"/v1/jobs/{self.job}"))
+        return info
+
+    def get(self, step: int) -> Step:
+        if step not in self._buffered:
+            self._buffered.clear()
+            count = self.window
+            if self.end_step is not None:
+                count = max(1, min(count, self.end_step - step))
+            body = self._request(f"/v1/jobs/{self.job}/batches", {"dp_rank": self.dp_rank, "start": step, "count": count})
+            step_bytes = StepBytes(bytearray(body))
+            for batch, meta in step_bytes.read():
+                self._buffered[int(meta["step"])] = (step_bytes, batch, meta)
+        found = self._buffered.pop(step, None)
+        if found is None:
+            raise CorruptError(f"data server did not return step {step}")
+        return found
+
+    def close(self) -> None:
+        self._buffered.clear()

@@ -1,0 +1,149 @@
+"""The ffplane DataLoader: this worker's batches, step by step, from the node cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from trainer_client._sources import DaemonSource, HttpSource, Step
+from trainer_client.batches import Batch
+from trainer_client.errors import FFPlaneError, TransportError
+
+log = logging.getLogger(__name__)
+
+DATASERVER_ENV = "FFPLANE_DATASERVER"
+SOCKET_ENV = "FFPLANE_DAEMON_SOCKET"
+TOKEN_ENV = "FFPLANE_TOKEN"
+DEFAULT_SOCKET = Path("/dev/shm/ffplane/daemon.sock")
+
+
+class DataLoader:
+    """Iterates the batches of ``(job, dp_rank)`` from ``start_step`` as dicts of torch tensors.
+
+    Fixed-width numeric columns (token arrays, labels) arrive as tensors viewing the node cache's
+    shared memory (no copy); binary columns as lists of memoryviews. ``transform`` runs on each
+    batch before it is yielded. With no daemon on the node (or when it stops answering and does
+    not come back within ``reconnect_s``), batches come straight from the data server.
+
+    ``state_dict()`` after receiving the batch of step ``s`` records ``next_step = s + 1``: save
+    it with the model after the optimizer step and a restored run continues with byte-identical
+    batches.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        dp_rank: int,
+        *,
+        dataserver: str | None = None,
+        token: str | None = None,
+        socket_path: str | os.PathLike[str] | None = None,
+        start_step: int = 0,
+        end_step: int | None = None,
+        transform: Callable[[Batch], Any] | None = None,
+        timeout_s: float = 120.0,
+        reconnect_s: float = 5.0,
+        http_window: int = 4,
+    ) -> None:
+        if dp_rank < 0:
+            raise ValueError(f"dp_rank must be >= 0, got {dp_rank=}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step=}")
+        self.job, self.dp_rank = job, dp_rank
+        self.dataserver = dataserver or os.environ.get(DATASERVER_ENV)
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.socket_path = Path(socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
+        self.transform = transform
+        self.timeout_s, self.reconnect_s, self.http_window = timeout_s, reconnect_s, http_window
+        self._next_step = start_step
+        self._source: DaemonSource | HttpSource | None = None
+        self._http: HttpSource | None = None
+        self.end_step = end_step
+        if end_step is None and self.dataserver:
+            self.end_step = self._http_source().job_info().get("max_steps")
+
+    # --- sources -------------------------------------------------------------------------
+    def _http_source(self) -> HttpSource:
+        if self._http is None:
+            if not self.dataserver:
+                raise TransportError(
+                    f"no statestore daemon at {self.socket_path} and no data server configured; "
+                    f"start the daemon or pass dataserver= (or set {DATASERVER_ENV})"
+                )
+            self._http = HttpSource(self.dataserver, self.job, self.dp_rank, self.token, self.timeout_s, self.http_window)
+        self._http.end_step = self.end_step
+        return self._http
+
+    def _connect(self) -> DaemonSource | HttpSource:
+        deadline = time.monotonic() + self.reconnect_s
+        while True:
+            try:
+                return DaemonSource(self.socket_path, self.job, self.dp_rank, self.token, self.timeout_s)
+            except TransportError as exc:
+                if time.monotonic() >= deadline or not self.socket_path.exists():
+                    log.warning("reading from the data server: %s", exc, extra={"job": self.job, "dp_rank": self.dp_rank})
+                    return self._http_source()
+                time.sleep(0.1)
+
+    @property
+    def source(self) -> str:
+        """``"daemon"`` or ``"dataserver"``: where the last batch came from."""
+        return "none" if self._source is None else self._source.name
+
+    def _fetch(self, step: int) -> Step:
+        if self._source is None:
+            self._source = self._connect()
+        try:
+            return self._source.get(step)
+        except TransportError:
+            if not isinstance(self._source, DaemonSource):
+                raise
+            self._source.close()  # the daemon died or restarted: reconnect, else go direct
+            self._source = self._connect()
+            return self._source.get(step)
+
+    # --- iteration -----------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        while self.end_step is None or self._next_step < self.end_step:
+            step = self._next_step
+            step_bytes, batch, _meta = self._fetch(step)
+            out = step_bytes.to_torch(batch)
+            self._next_step = step + 1
+            yield self.transform(out) if self.transform else out
+
+    def __len__(self) -> int:
+        if self.end_step is None:
+            raise TypeError("this DataLoader is unbounded (the job has no max_steps)")
+        return max(0, self.end_step - self._next_step)
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "dp_rank": self.dp_rank, "next_step": self._next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state["next_step"]``; refuses a state saved for another job or dp rank."""
+        missing = {"job", "dp_rank", "next_step"} - set(state)
+        if missing:
+            raise FFPlaneError(f"DataLoader state lacks {sorted(missing)}")
+        if state["job"] != self.job or state["dp_rank"] != self.dp_rank:
+            raise FFPlaneError(
+                f"state is for job {state['job']!r} dp_rank {state['dp_rank']}, this loader reads "
+                f"job {self.job!r} dp_rank {self.dp_rank}"
+            )
+        step = state["next_step"]
+        if not isinstance(step, int) or step < 0:
+            raise FFPlaneError(f"next_step must be a non-negative int, got {step!r}")
+        self._next_step = step
+
+    def close(self) -> None:
+        for src in (self._source, self._http):
+            if src is not None:
+                src.close()
+        self._source = None
