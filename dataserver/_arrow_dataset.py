@@ -21,7 +21,7 @@ def fixed_width_view(column: pa.Array) -> np.ndarray | None:
         return None
     t = column.type
     if pa.types.is_fixed_size_list(t) and _is_numeric(t.value_type):
-        values = column.values  # type: ignore[attr-defined]
+        values = column.values
         if values.null_count:
             return None
         width = t.list_size

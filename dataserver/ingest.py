@@ -90,7 +90,7 @@ class _Normaliser:
             t = f.type
             if pa.types.is_list(t) or pa.types.is_large_list(t):
                 col = batch.column(f.name)
-                lengths = col.value_lengths().unique()  # type: ignore[attr-defined]
+                lengths = col.value_lengths().unique()
                 if len(lengths) == 1 and lengths[0].as_py() and pa.types.is_integer(t.value_type):
                     value_type = t.value_type
                     # JSON has no integer width; token ids fit int32 and halve the bytes moved.
@@ -103,7 +103,7 @@ class _Normaliser:
     @staticmethod
     def _to_fixed(col: pa.Array, f: pa.Field, where: str, first_row: int) -> pa.Array:
         width = f.type.list_size
-        lengths = col.value_lengths().to_numpy(zero_copy_only=False)  # type: ignore[attr-defined]
+        lengths = col.value_lengths().to_numpy(zero_copy_only=False)
         bad = (lengths != width).nonzero()[0]
         if len(bad):
             row = first_row + int(bad[0])
@@ -119,7 +119,7 @@ def _jsonl_batches(
     path: Path, cfg: IngestConfig, bar: tqdm
 ) -> Iterator[tuple[pa.RecordBatch, str, int]]:
     raw = open(path, "rb")
-    stream: IO[bytes] = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw
+    stream: IO[bytes] = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw  # type: ignore[assignment]
     rows: list[dict[str, Any]] = []
     keys: list[str] | None = None
     first_line = 1

@@ -16,7 +16,7 @@ class _CacheCollector:
 
     def collect(self) -> Iterator[Metric]:
         labels = ["job", "dp_rank"]
-        fams = {
+        fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "bytes": GaugeMetricFamily("ffplane_cache_bytes", "Bytes of cached batches", labels=labels),
             "steps": GaugeMetricFamily("ffplane_cache_steps", "Cached steps", labels=labels),
             "readers": GaugeMetricFamily("ffplane_cache_readers", "Attached local readers", labels=labels),
@@ -42,5 +42,5 @@ class _CacheCollector:
 
 def registry_for(cache: DataCache) -> CollectorRegistry:
     registry = CollectorRegistry()
-    registry.register(_CacheCollector(cache))  # type: ignore[arg-type]
+    registry.register(_CacheCollector(cache))
     return registry

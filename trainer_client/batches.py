@@ -42,7 +42,7 @@ class StepBytes:
     def read(self) -> list[tuple[pa.RecordBatch, dict[str, str]]]:
         """Every record batch of the stream (one per step), zero-copy, with its custom metadata."""
         reader = pa.ipc.open_stream(pa.BufferReader(self.buffer))
-        out = []
+        out: list[tuple[pa.RecordBatch, dict[str, str]]] = []
         while True:
             try:
                 item = reader.read_next_batch_with_custom_metadata()
@@ -65,9 +65,9 @@ class StepBytes:
     def _column(self, col: pa.Array) -> torch.Tensor | list[Any]:
         t = col.type
         if col.null_count == 0:
-            if pa.types.is_fixed_size_list(t) and _numeric(t.value_type) and col.values.null_count == 0:  # type: ignore[attr-defined]
+            if pa.types.is_fixed_size_list(t) and _numeric(t.value_type) and col.values.null_count == 0:
                 width = t.list_size
-                values = col.values  # type: ignore[attr-defined]
+                values = col.values
                 dtype = np.dtype(t.value_type.to_pandas_dtype())
                 flat = self.view(values.buffers()[1], dtype, values.offset + col.offset * width, len(col) * width)
                 return torch.from_numpy(flat.reshape(len(col), width))
@@ -79,7 +79,7 @@ class StepBytes:
             if pa.types.is_binary(t):
                 # memoryviews into the step's bytes: decoders (PIL, numpy) read them without a copy
                 offsets = np.frombuffer(col.buffers()[1], dtype=np.int32)[col.offset : col.offset + len(col) + 1]
-                data = memoryview(col.buffers()[2])  # type: ignore[arg-type]
+                data = memoryview(col.buffers()[2])
                 return [data[offsets[i] : offsets[i + 1]] for i in range(len(col))]
         return col.to_pylist()
 
