@@ -181,7 +181,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         dataset = catalog.get(job.spec.dataset)
         steps = range(start, start + count)
 
-        def body() -> Iterator[bytes]:
+        def body() -> Iterator[bytes | memoryview]:
             for chunk in encode_steps(dataset, job.planner, dp_rank, steps):
                 metrics.bytes.labels(name).inc(len(chunk))
                 yield chunk

@@ -25,11 +25,14 @@ class _Chunks:
     closed = False
 
     def __init__(self) -> None:
-        self.parts: list[bytes] = []
+        self.parts: list[bytes | memoryview] = []
 
-    def write(self, data: bytes) -> int:
-        self.parts.append(data)
-        return len(data)
+    def write(self, data: bytes | pa.Buffer) -> int:
+        # Arrow hands large body buffers over as pa.Buffer (no copy); a memoryview of it is what
+        # the HTTP layer can send, still without a copy.
+        part = data if isinstance(data, bytes) else memoryview(data)
+        self.parts.append(part)
+        return len(part)
 
     def flush(self) -> None:
         pass
@@ -37,8 +40,8 @@ class _Chunks:
     def close(self) -> None:
         pass
 
-    def drain(self) -> Iterator[bytes]:
-        small: list[bytes] = []
+    def drain(self) -> Iterator[bytes | memoryview]:
+        small: list[bytes | memoryview] = []
         for part in self.parts:
             if len(part) < _COALESCE:
                 small.append(part)
@@ -66,7 +69,7 @@ def step_batch(dataset: Dataset, planner: Planner, dp_rank: int, step: int) -> t
 
 def encode_steps(
     dataset: Dataset, planner: Planner, dp_rank: int, steps: Iterable[int]
-) -> Iterator[bytes]:
+) -> Iterator[bytes | memoryview]:
     """Arrow IPC stream bytes for ``steps`` of ``dp_rank``, produced lazily, step by step."""
     sink = _Chunks()
     writer: pa.ipc.RecordBatchStreamWriter | None = None

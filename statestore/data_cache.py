@@ -171,7 +171,8 @@ class DataCache:
     async def get(self, reader: int, stream: Stream, step: int) -> tuple[CachedStep, bool]:
         """The cached file of ``step``, waiting for it if needed; also moves the reader's cursor."""
         stream.readers[reader] = step
-        self._evict(stream)
+        # Eviction (unlinks, an index transaction) runs after the reply is sent, not before it.
+        asyncio.get_running_loop().call_soon(self._evict, stream)
         stream.wake.set()
         cached = stream.ready.get(step)
         if cached is not None:

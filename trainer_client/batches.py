@@ -1,14 +1,18 @@
 """Arrow IPC bytes of one step → torch tensors, zero-copy where the bytes allow it.
 
-A step's file is mapped ``MAP_PRIVATE`` and pre-populated: tensors view the node cache's pages
-directly (no copy, no page-fault storm on first touch), and an in-place op by training code
-gets private copy-on-write pages instead of corrupting the shared cache. Tensors are built with
+A step's file is mapped ``MAP_PRIVATE``: tensors view the node cache's pages directly (no copy),
+and an in-place op by training code gets private copy-on-write pages instead of corrupting the
+shared cache. No ``MAP_POPULATE``: on a writable private mapping it write-faults (copies) every
+page up front. ``MADV_POPULATE_READ`` instead maps the shared pages read-only in one call, off
+the consumer's path when the DataLoader's look-ahead thread maps the next step (ctypes releases
+the GIL for it; ``mmap.madvise`` does not). Tensors are built with
 numpy over the writable mapping itself, not over Arrow's (immutable) buffers, so torch sees
 ordinary writable memory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from pathlib import Path
@@ -19,6 +23,20 @@ import pyarrow as pa
 import torch
 
 Batch = dict[str, Union[torch.Tensor, list[Any]]]
+_MADV_POPULATE_READ = 22  # Linux >= 5.14; older kernels answer EINVAL and fault lazily instead
+_libc: Any = None
+
+
+def _populate_read(address: int, size: int) -> None:
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc and size:
+        _libc.madvise(address, size, _MADV_POPULATE_READ)
 
 
 class StepBytes:
@@ -33,11 +51,13 @@ class StepBytes:
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+            flags = mmap.MAP_PRIVATE
             mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(mm)
+        step = cls(mm)
+        _populate_read(step.buffer.address, size)
+        return step
 
     def read(self) -> list[tuple[pa.RecordBatch, dict[str, str]]]:
         """Every record batch of the stream (one per step), zero-copy, with its custom metadata."""

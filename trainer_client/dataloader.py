@@ -6,12 +6,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
 from trainer_client._sources import DaemonSource, HttpSource, Step
 from trainer_client.batches import Batch
-from trainer_client.errors import FFPlaneError, TransportError
+from trainer_client.errors import FFPlaneError, FFTimeoutError, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +59,15 @@ class DataLoader:
         self.dataserver = dataserver or os.environ.get(DATASERVER_ENV)
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.socket_path = Path(socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s=}")
         self.transform = transform
         self.timeout_s, self.reconnect_s, self.http_window = timeout_s, reconnect_s, http_window
         self._next_step = start_step
         self._source: DaemonSource | HttpSource | None = None
         self._http: HttpSource | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: tuple[int, Future[Step]] | None = None
         self.end_step = end_step
         if end_step is None and self.dataserver:
             self.end_step = self._http_source().job_info().get("max_steps")
@@ -91,7 +97,7 @@ class DataLoader:
 
     @property
     def source(self) -> str:
-        """``"daemon"`` or ``"dataserver"``: where the last batch came from."""
+        """``"daemon"`` or ``"dataserver"``: where batches are coming from now."""
         return "none" if self._source is None else self._source.name
 
     def _fetch(self, step: int) -> Step:
@@ -106,11 +112,33 @@ class DataLoader:
             self._source = self._connect()
             return self._source.get(step)
 
+    def _get(self, step: int) -> Step:
+        """Step ``step``, fetched by the look-ahead thread, which then starts on ``step + 1``.
+
+        Every source call happens on that one thread, so sources need no locking; its
+        exceptions re-raise here, in the training thread.
+        """
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-loader-{self.job}-{self.dp_rank}")
+        if self._ahead is not None and self._ahead[0] == step:
+            fut = self._ahead[1]
+        else:
+            fut = self._pool.submit(self._fetch, step)
+        self._ahead = None
+        try:
+            result = fut.result(timeout=self.timeout_s)
+        except FutureTimeout as exc:
+            raise FFTimeoutError(f"step {step} of job {self.job!r} dp_rank {self.dp_rank} not ready after {self.timeout_s}s") from exc
+        nxt = step + 1
+        if self.end_step is None or nxt < self.end_step:
+            self._ahead = (nxt, self._pool.submit(self._fetch, nxt))
+        return result
+
     # --- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         while self.end_step is None or self._next_step < self.end_step:
             step = self._next_step
-            step_bytes, batch, _meta = self._fetch(step)
+            step_bytes, batch, _meta = self._get(step)
             out = step_bytes.to_torch(batch)
             self._next_step = step + 1
             yield self.transform(out) if self.transform else out
@@ -143,6 +171,10 @@ class DataLoader:
         self._next_step = step
 
     def close(self) -> None:
+        """Stop the look-ahead thread and disconnect; safe to call twice."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._ahead = None, None
         for src in (self._source, self._http):
             if src is not None:
                 src.close()

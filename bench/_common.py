@@ -1,0 +1,65 @@
+"""Shared benchmark plumbing: repeat a measurement, summarise it, write results, compare."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def repeat(fn: Callable[[], float], times: int) -> dict[str, Any]:
+    """Run ``fn`` ``times`` times; min/median/max of what it returns, plus every sample."""
+    samples = [fn() for _ in range(times)]
+    return {"min": min(samples), "median": statistics.median(samples), "max": max(samples), "samples": samples}
+
+
+def write_results(name: str, figures: dict[str, Any], config: dict[str, Any], checks: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}.json"
+    out.write_text(json.dumps({
+        "benchmark": name,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        "config": config,
+        "figures": figures,
+        "targets": checks,
+    }, indent=1))
+    return out
+
+
+def ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return float(a["median"]) / float(b["median"]) if b["median"] else float("inf")
+
+
+def print_table(rows: list[tuple[str, dict[str, Any], str]], unit: str) -> None:
+    print(f"{'figure':34s} {'min':>9s} {'median':>9s} {'max':>9s}  {unit}   vs baseline")
+    for name, fig, note in rows:
+        print(f"{name:34s} {fig['min']:9.3f} {fig['median']:9.3f} {fig['max']:9.3f}  {' ' * len(unit)}   {note}")
+
+
+def bar_chart(path: Path, rows: list[tuple[str, dict[str, Any]]], ylabel: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = [r[0] for r in rows]
+    med = [r[1]["median"] for r in rows]
+    lo = [r[1]["median"] - r[1]["min"] for r in rows]
+    hi = [r[1]["max"] - r[1]["median"] for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar(names, med, yerr=[lo, hi], capsize=4, color="#4c72b0")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

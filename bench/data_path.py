@@ -1,0 +1,270 @@
+"""The data path, end to end, beside the machine's limits and the peers users have today.
+
+    python bench/data_path.py                 # ≥ 1 GiB of int32 tokens, 3 repeats (a few minutes)
+    python bench/data_path.py --gib 0.05 --repeats 1 --no-mosaic   # smoke size (what the test runs)
+
+Measured in one run, on one dataset of tokenised text (rows of ``--seq`` int32 tokens), with
+``--batch`` rows per step (one dp rank):
+
+* ``memcpy_gbps`` — numpy copy between two pre-faulted buffers of one step's size × 64;
+* ``loopback_tcp_gbps`` — one Python TCP connection on 127.0.0.1 between two processes;
+* ``node_cache_read_gbps`` — the DataLoader reading steps already in the node daemon's cache,
+  every byte copied into a preallocated training buffer (so zero-copy views are not free);
+* ``end_to_end_gbps`` — a fresh job: data server → daemon (HTTP) → DataLoader, same consumer;
+* ``torch_dataloader_local_gbps`` — a plain torch DataLoader over the local Arrow shards
+  (best of 0 and 2 workers, both recorded);
+* ``mosaic_streaming_gbps`` — mosaicml-streaming over an MDS copy of the data (install it with
+  ``echo 'torch==2.13.0+cpu' > /tmp/c.txt && pip install -c /tmp/c.txt mosaicml-streaming``).
+
+Results: ``bench/results/data_path.json`` and ``data_path.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import RESULTS, bar_chart, print_table, ratio, repeat, write_results  # noqa: E402
+from dataserver.ingest import IngestConfig, ingest  # noqa: E402
+from trainer_client import DataLoader  # noqa: E402
+from trainer_client.local_cluster import LocalCluster  # noqa: E402
+
+GB = 1e9
+
+
+def make_dataset(root: Path, gib: float, seq: int) -> Path:
+    """``root/tokens``: ``gib`` GiB of random int32 tokens, reused if already there."""
+    out = root / "datasets" / "tokens"
+    rows = int(gib * (1 << 30)) // (seq * 4)
+    manifest = out / "manifest.json"
+    if manifest.exists() and json.loads(manifest.read_text())["num_samples"] == rows:
+        return out
+    src = root / "tokens-src.arrow"
+    schema = pa.schema([("tokens", pa.list_(pa.int32(), seq))])
+    rng = np.random.default_rng(0)
+    with pa.ipc.new_file(str(src), schema) as w:
+        for start in range(0, rows, 8192):
+            n = min(8192, rows - start)
+            block = rng.integers(0, 50_000, size=(n, seq), dtype=np.int32)
+            block[:, 0] = np.arange(start, start + n)
+            w.write_batch(pa.record_batch([pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), seq)], schema=schema))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ingest(IngestConfig([src], out, shard_bytes=256 << 20))
+    src.unlink()
+    return out
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.ones(nbytes, dtype=np.uint8)  # both pre-faulted
+    np.copyto(dst, src)
+    t = time.perf_counter()
+    for _ in range(5):
+        np.copyto(dst, src)
+    return 5 * nbytes / (time.perf_counter() - t) / GB
+
+
+_RECEIVER = r"""
+import socket, sys
+total = int(sys.argv[1]); srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept(); buf = bytearray(4 << 20); view = memoryview(buf); got = 0
+while got < total:
+    n = conn.recv_into(view)
+    if not n: break
+    got += n
+conn.sendall(b"k"); conn.close()
+"""
+
+
+def loopback_tcp_gbps(nbytes: int) -> float:
+    """One Python TCP connection between two processes on loopback, 4 MiB sends."""
+    recv = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(nbytes)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert recv.stdout is not None
+        port = int(recv.stdout.readline())
+        payload = memoryview(np.ones(4 << 20, dtype=np.uint8))
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            t = time.perf_counter()
+            sent = 0
+            while sent < nbytes:
+                s.sendall(payload)
+                sent += len(payload)
+            s.recv(1)
+            return sent / (time.perf_counter() - t) / GB
+    finally:
+        recv.kill()
+        recv.wait()
+
+
+def _create_job(url: str, token: str, name: str, batch: int, max_steps: int, seed: int) -> None:
+    body = {"name": name, "dataset": "tokens", "dp": 1, "batch_per_rank": batch, "seed": seed, "max_steps": max_steps}
+    req = urllib.request.Request(url + "/v1/jobs", json.dumps(body).encode(), {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    urllib.request.urlopen(req).read()
+
+
+def _consume(batches: Iterator[dict[str, Any]], batch: int, seq: int) -> tuple[int, float]:
+    """Copy every batch into one preallocated training buffer; (bytes, seconds)."""
+    buf = torch.ones((batch, seq), dtype=torch.int32)
+    nbytes = 0
+    t = time.perf_counter()
+    for b in batches:
+        tokens = b["tokens"]
+        buf.copy_(tokens)
+        nbytes += tokens.numel() * tokens.element_size()
+    return nbytes, time.perf_counter() - t
+
+
+def _wait_cached(daemon_url: str, job: str, steps: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cache = json.loads(urllib.request.urlopen(daemon_url + "/v1/cache").read())
+        ready = [s for s in cache["streams"] if s["job"] == job]
+        if ready and len(ready[0]["steps"]) >= steps:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the daemon did not cache {steps} steps of {job} in {timeout_s}s")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0, help="dataset size in GiB of token data")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=512, help="rows per step (512 x 2048 int32 = 4 MiB)")
+    p.add_argument("--steps", type=int, default=96, help="steps read per end-to-end repeat")
+    p.add_argument("--cached-steps", type=int, default=48, help="steps read per node-cache repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work", type=Path, default=Path("/tmp/ffplane-bench-data"), help="dataset folder (kept for reuse)")
+    p.add_argument("--no-mosaic", action="store_true", help="skip mosaicml-streaming")
+    p.add_argument("--out", default="data_path")
+    args = p.parse_args(argv)
+
+    step_bytes = args.batch * args.seq * 4
+    args.work.mkdir(parents=True, exist_ok=True)
+    print(f"dataset: {args.gib} GiB of int32 tokens, {args.seq} per row; step = {args.batch} rows = {step_bytes / 2**20:.1f} MiB")
+    ds_dir = make_dataset(args.work, args.gib, args.seq)
+    rows = json.loads((ds_dir / "manifest.json").read_text())["num_samples"]
+    figures: dict[str, Any] = {}
+
+    figures["memcpy_gbps"] = repeat(lambda: memcpy_gbps(min(step_bytes * 64, 1 << 30)), args.repeats)
+    figures["loopback_tcp_gbps"] = repeat(lambda: loopback_tcp_gbps(args.steps * step_bytes), args.repeats)
+
+    token = secrets.token_hex(16)
+    runs = iter(range(10_000))
+    run_id = secrets.token_hex(3)  # job records persist in the data dir; never reuse a name
+    with LocalCluster(args.work, ds_dir.parent, token) as cluster:
+        ds = cluster.start_dataserver("--log-level", "warning")
+        window = args.cached_steps
+        daemon = cluster.start_daemon("--window", str(window), "--log-level", "warning", budget_mb=max(512, 3 * window * step_bytes >> 20))
+
+        def cached_read() -> float:
+            job = f"cached-{run_id}-{next(runs)}"
+            _create_job(ds.url, token, job, args.batch, args.cached_steps, seed=next(runs))
+            loader = DataLoader(job, 0, dataserver=ds.url, token=token, socket_path=cluster.socket())
+            batches = iter(loader)
+            next(batches)  # the first request starts the prefetch of the whole (short) job
+            _wait_cached(daemon.url, job, args.cached_steps)
+            nbytes, secs = _consume(batches, args.batch, args.seq)
+            loader.close()
+            return nbytes / secs / GB
+
+        def end_to_end() -> float:
+            job = f"e2e-{run_id}-{next(runs)}"
+            _create_job(ds.url, token, job, args.batch, args.steps, seed=next(runs))
+            loader = DataLoader(job, 0, dataserver=ds.url, token=token, socket_path=cluster.socket())
+            nbytes, secs = _consume(iter(loader), args.batch, args.seq)
+            loader.close()
+            return nbytes / secs / GB
+
+        figures["node_cache_read_gbps"] = repeat(cached_read, args.repeats)
+        figures["end_to_end_gbps"] = repeat(end_to_end, args.repeats)
+
+    from bench import _data_baselines as peers
+
+    shards = sorted(str(s) for s in ds_dir.glob("shard-*.arrow"))
+    # one epoch of the peers takes as long as the dataset; cap it to about what we read per repeat
+    sub = _subset(shards, args.steps * args.batch, args.work)
+    for workers in (0, 2):
+        figures[f"torch_dataloader_local_{workers}w_gbps"] = repeat(
+            lambda: peers.torch_dataloader_local_gbps(sub, args.batch, num_workers=workers), args.repeats)
+    best = max((figures[f"torch_dataloader_local_{w}w_gbps"] for w in (0, 2)), key=lambda f: f["median"])
+    figures["torch_dataloader_local_gbps"] = best
+    if not args.no_mosaic:
+        mds = args.work / f"mds-{len(sub)}"
+        if not (mds / "index.json").exists():
+            peers.write_mds(sub, str(mds))
+        figures["mosaic_streaming_gbps"] = repeat(lambda: peers.mosaic_streaming_gbps(str(mds), args.batch, num_workers=2), args.repeats)
+
+    f = figures
+    checks: dict[str, Any] = {
+        "node_cache_read_vs_memcpy": {"ratio": ratio(f["node_cache_read_gbps"], f["memcpy_gbps"]), "target": ">= 0.5"},
+        "end_to_end_vs_loopback_tcp": {"ratio": ratio(f["end_to_end_gbps"], f["loopback_tcp_gbps"]), "target": ">= 0.7"},
+        "node_cache_read_vs_torch_local": {"ratio": ratio(f["node_cache_read_gbps"], f["torch_dataloader_local_gbps"]), "target": "> 1"},
+        "end_to_end_vs_torch_local": {"ratio": ratio(f["end_to_end_gbps"], f["torch_dataloader_local_gbps"]), "target": "> 1"},
+    }
+    if "mosaic_streaming_gbps" in f:
+        checks["node_cache_read_vs_mosaic"] = {"ratio": ratio(f["node_cache_read_gbps"], f["mosaic_streaming_gbps"]), "target": "> 1"}
+        checks["end_to_end_vs_mosaic"] = {"ratio": ratio(f["end_to_end_gbps"], f["mosaic_streaming_gbps"]), "target": "> 1"}
+    config = {"gib": args.gib, "rows": rows, "seq": args.seq, "batch": args.batch, "step_bytes": step_bytes,
+              "steps": args.steps, "cached_steps": args.cached_steps, "repeats": args.repeats, "peer_rows": args.steps * args.batch}
+    out = write_results(args.out, figures, config, checks)
+
+    base = f["memcpy_gbps"]
+    print_table([
+        ("memcpy_gbps", f["memcpy_gbps"], "(machine limit)"),
+        ("loopback_tcp_gbps", f["loopback_tcp_gbps"], "(machine limit)"),
+        ("node_cache_read_gbps", f["node_cache_read_gbps"], f"{ratio(f['node_cache_read_gbps'], base):.2f} x memcpy (target >= 0.5)"),
+        ("end_to_end_gbps", f["end_to_end_gbps"], f"{ratio(f['end_to_end_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (target >= 0.7)"),
+        *[(k, v, "(baseline)") for k, v in f.items() if k.startswith("torch_dataloader_local_") and "w_" in k],
+        *([("mosaic_streaming_gbps", f["mosaic_streaming_gbps"], "(baseline)")] if "mosaic_streaming_gbps" in f else []),
+    ], "GB/s")
+    for name, c in checks.items():
+        print(f"  {name:34s} {c['ratio']:7.2f}   target {c['target']}")
+    bar_chart(RESULTS / f"{args.out}.png", [(k, v) for k, v in f.items() if k != "torch_dataloader_local_gbps"], "GB/s (median, min-max)", "ffplane data path vs machine limits and peers")
+    print(f"wrote {out}")
+    return {"figures": figures, "targets": checks}
+
+
+def _subset(shards: list[str], rows: int, work: Path) -> list[str]:
+    """Arrow shards holding the first ``rows`` rows (the peers read a whole epoch per repeat)."""
+    out = work / f"peer-subset-{rows}.arrow"
+    if not out.exists():
+        got = 0
+        with pa.ipc.open_file(pa.memory_map(shards[0])) as first:
+            schema = first.schema
+        with pa.ipc.new_file(str(out), schema) as w:
+            for path in shards:
+                r = pa.ipc.open_file(pa.memory_map(path))
+                for i in range(r.num_record_batches):
+                    b = r.get_batch(i).slice(0, rows - got)
+                    w.write_batch(b)
+                    got += len(b)
+                    if got >= rows:
+                        break
+                if got >= rows:
+                    break
+    return [str(out)]
+
+
+if __name__ == "__main__":
+    main()
