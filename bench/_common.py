@@ -19,9 +19,9 @@ def repeat(fn: Callable[[], float], times: int) -> dict[str, Any]:
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples), "samples": samples}
 
 
-def write_results(name: str, figures: dict[str, Any], config: dict[str, Any], checks: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{name}.json"
+def write_results(name: str, figures: dict[str, Any], config: dict[str, Any], checks: dict[str, Any], directory: Path = RESULTS) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / f"{name}.json"
     out.write_text(json.dumps({
         "benchmark": name,
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

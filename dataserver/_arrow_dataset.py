@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import zlib
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import numpy as np
 import pyarrow as pa
 
 from dataserver.catalog import Dataset, DatasetError
+from trainer_client.pagemap import populate_read
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "ffplane.arrow/1"
+POPULATE_LIMIT = 8 << 30  # datasets up to this size get their page tables populated at open
 
 
 def fixed_width_view(column: pa.Array) -> np.ndarray | None:
@@ -48,7 +51,7 @@ def file_crc32(path: Path, block: int = 1 << 24) -> int:
 class ArrowDataset(Dataset):
     """Rows addressed across all record batches of all shards, in manifest order."""
 
-    def __init__(self, root: Path, name: str) -> None:
+    def __init__(self, root: Path, name: str, populate_limit: int = POPULATE_LIMIT) -> None:
         self.name = name
         self.root = root
         try:
@@ -89,12 +92,26 @@ class ArrowDataset(Dataset):
         if schema is None:
             raise DatasetError(f"{root}: the manifest lists no shards")
         self.schema = schema
+        total = sum(int(s["bytes"]) for s in manifest["shards"])
+        if total <= populate_limit:
+            # Page-table population of a dataset that fits in memory, once, in the background,
+            # instead of a minor fault per page in the serving path.
+            regions = []
+            for mm in self._maps:
+                mm.seek(0)
+                whole = mm.read_buffer(mm.size())  # zero-copy view of the whole mapping
+                regions.append((whole.address, whole.size))
+            threading.Thread(target=self._populate, args=(regions,), name=f"populate {name}", daemon=True).start()
         self._offsets = np.cumsum([0] + [len(c) for c in self._chunks]).astype(np.int64)
         self.num_samples = int(self._offsets[-1])
         if self.num_samples != manifest["num_samples"]:
             raise DatasetError(
                 f"{root}: shards hold {self.num_samples} rows, manifest says {manifest['num_samples']}"
             )
+
+    def _populate(self, regions: list[tuple[int, int]]) -> None:
+        for address, size in regions:
+            populate_read(address, size)
 
     def verify(self) -> None:
         """Re-read every shard and compare its CRC-32 with the manifest's."""

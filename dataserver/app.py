@@ -17,9 +17,10 @@ from dataserver.config import ServeConfig
 from dataserver.httpserver import BearerAuth, load_token
 from dataserver.jobs import Job, JobConflict, JobError, JobRegistry, JobSpec
 from dataserver.planner import Generation
-from dataserver.stream import MEDIA_TYPE, encode_steps
+from dataserver.stream import MEDIA_TYPE, WholeBody, encode_steps
 
 log = logging.getLogger(__name__)
+_WHOLE_BODY_STEPS = 4
 
 
 class JobCreate(BaseModel):
@@ -171,7 +172,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         dp_rank: Annotated[int, Query(ge=0)],
         start: Annotated[int, Query(ge=0)],
         count: Annotated[int, Query(ge=1)] = 1,
-    ) -> StreamingResponse:
+    ) -> Response:
         """The batches of ``dp_rank`` for steps ``start .. start+count-1`` as one Arrow IPC stream."""
         job = job_or_404(name)
         if count > config.max_steps_per_request:
@@ -181,13 +182,22 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         dataset = catalog.get(job.spec.dataset)
         steps = range(start, start + count)
 
+        headers = {"X-FFplane-Steps": f"{start}-{start + count - 1}"}
+        if count <= _WHOLE_BODY_STEPS:
+            # Few steps: one body with a Content-Length. Chunked streaming costs a thread hop and
+            # a chunk header per piece, and measured ~2x slower for single 4 MiB steps.
+            whole = WholeBody(list(encode_steps(dataset, job.planner, dp_rank, steps)), MEDIA_TYPE, headers)
+            metrics.bytes.labels(name).inc(whole.nbytes)
+            metrics.steps.labels(name).inc(count)
+            return whole
+
         def body() -> Iterator[bytes | memoryview]:
             for chunk in encode_steps(dataset, job.planner, dp_rank, steps):
                 metrics.bytes.labels(name).inc(len(chunk))
                 yield chunk
             metrics.steps.labels(name).inc(count)
 
-        return StreamingResponse(body(), media_type=MEDIA_TYPE, headers={"X-FFplane-Steps": f"{start}-{start + count - 1}"})
+        return StreamingResponse(body(), media_type=MEDIA_TYPE, headers=headers)
 
     @app.get("/metrics")
     def prometheus() -> Response:

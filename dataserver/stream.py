@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from dataserver.catalog import Dataset, with_sample_index
 from dataserver.planner import Planner
@@ -82,3 +84,20 @@ def encode_steps(
     if writer is not None:
         writer.close()
         yield from sink.drain()
+
+
+class WholeBody(Response):
+    """A body of known length sent as its parts, as they are: no join, no chunked encoding."""
+
+    def __init__(self, parts: list[bytes | memoryview], media_type: str, headers: dict[str, str]) -> None:
+        self.parts = parts
+        self.nbytes = sum(len(p) for p in parts)
+        super().__init__(content=b"", media_type=media_type, headers=headers)
+        self.headers["content-length"] = str(self.nbytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for i, part in enumerate(self.parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i < len(self.parts) - 1})
+        if not self.parts:
+            await send({"type": "http.response.body", "body": b""})

@@ -12,7 +12,6 @@ ordinary writable memory.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 from pathlib import Path
@@ -22,21 +21,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from trainer_client.pagemap import populate_read
+
 Batch = dict[str, Union[torch.Tensor, list[Any]]]
-_MADV_POPULATE_READ = 22  # Linux >= 5.14; older kernels answer EINVAL and fault lazily instead
-_libc: Any = None
-
-
-def _populate_read(address: int, size: int) -> None:
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc and size:
-        _libc.madvise(address, size, _MADV_POPULATE_READ)
 
 
 class StepBytes:
@@ -56,7 +43,7 @@ class StepBytes:
         finally:
             os.close(fd)
         step = cls(mm)
-        _populate_read(step.buffer.address, size)
+        populate_read(step.buffer.address, size)
         return step
 
     def read(self) -> list[tuple[pa.RecordBatch, dict[str, str]]]:
