@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--keep-consumed", type=int, default=d.keep_consumed, help="consumed steps kept for replay")
     srv.add_argument("--fetch-concurrency", type=int, default=d.fetch_concurrency)
     srv.add_argument("--fetch-retry-s", type=float, default=d.fetch_retry_s)
+    srv.add_argument("--durable-dir", type=Path, default=None, help="directory of the durable tier (safetensors + JSON)")
+    srv.add_argument("--durable-every", type=int, default=d.durable_every, help="copy committed shards to --durable-dir every N steps (0 = off)")
     srv.add_argument("--token-file", default=None, help="job token (else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN)")
     srv.add_argument("--ready-file", default=None)
     srv.add_argument("--log-level", default=d.log_level)
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         keep_consumed=args.keep_consumed,
         fetch_concurrency=args.fetch_concurrency,
         fetch_retry_s=args.fetch_retry_s,
+        durable_dir=args.durable_dir,
+        durable_every=args.durable_every,
         token_file=args.token_file,
         ready_file=args.ready_file,
         log_level=args.log_level,

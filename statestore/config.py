@@ -20,6 +20,8 @@ class DaemonConfig:
     keep_consumed: int = 2  # consumed steps kept for replay after a restore
     fetch_concurrency: int = 4  # HTTP fetches in flight across all dp ranks (4 measured best)
     fetch_retry_s: float = 30.0  # how long a waiting reader's fetch is retried on 5xx/unreachable
+    durable_dir: Path | None = None  # durable tier (safetensors + JSON), off unless set
+    durable_every: int = 0  # copy committed shards there every N steps; 0 = off
     token_file: str | None = None  # else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN
     ready_file: str | None = None
     log_level: str = "info"
@@ -35,5 +37,7 @@ class DaemonConfig:
             raise ValueError(f"keep_consumed must be >= 0, got {self.keep_consumed}")
         if self.fetch_concurrency < 1:
             raise ValueError(f"fetch_concurrency must be >= 1, got {self.fetch_concurrency}")
+        if self.durable_every < 0 or (self.durable_every and self.durable_dir is None):
+            raise ValueError("durable_every needs durable_dir and must be >= 0")
         if self.budget_bytes < 1 << 20:
             raise ValueError(f"budget_bytes must be >= 1 MiB, got {self.budget_bytes}")

@@ -24,15 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from statestore.data_cache import DataCache, FetchError, Stream
+from statestore.state_service import StateService
+from statestore.slots import SlotError
 
 log = logging.getLogger(__name__)
-_MAX_LINE = 64 << 10
+_MAX_LINE = 64 << 20  # a commit carries the shard header (one entry per tensor)
 _reader_ids = itertools.count(1)
 
 
 class ControlServer:
-    def __init__(self, cache: DataCache, path: Path) -> None:
+    def __init__(self, cache: DataCache, state: StateService, path: Path) -> None:
         self.cache = cache
+        self.state = state
         self.path = path
         self._server: asyncio.AbstractServer | None = None
 
@@ -49,47 +52,79 @@ class ControlServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         rid = next(_reader_ids)
-        stream: Stream | None = None
+        conn = _Conn()
         try:
             while line := await reader.readline():
                 try:
                     msg = json.loads(line)
                     if not isinstance(msg, dict):
                         raise ValueError("expected a JSON object")
-                    reply, stream = await self._handle(rid, msg, stream)
+                    reply = await self._handle(rid, msg, conn)
                 except (ValueError, KeyError, TypeError) as exc:
                     reply = {"ok": False, "status": 400, "error": f"bad request: {exc}"}
-                except FetchError as exc:
+                except (FetchError, SlotError) as exc:
                     reply = {"ok": False, "status": exc.status, "error": str(exc)}
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass
         finally:
-            if stream is not None:
-                self.cache.detach(rid, stream)
+            if conn.stream is not None:
+                self.cache.detach(rid, conn.stream)
+            for job, role, slot in conn.writing:  # a worker killed mid-save: its slot is free again
+                self.state.slots.abandon(job, role, slot)
             writer.close()
 
-    async def _handle(self, rid: int, msg: dict[str, Any], stream: Stream | None) -> tuple[dict[str, Any], Stream | None]:
+    async def _handle(self, rid: int, msg: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         op = msg.get("op")
         if op == "open":
-            job, dp_rank = str(msg["job"]), int(msg["dp_rank"])
-            if "/" in job or job.startswith(".") or not job or dp_rank < 0:
-                raise ValueError(f"invalid job {job!r} or dp_rank {dp_rank}")
-            if stream is not None:
-                self.cache.detach(rid, stream)
-            stream = self.cache.attach(rid, job, dp_rank, msg.get("token"))
+            job, dp_rank = _name(msg["job"]), int(msg["dp_rank"])
+            if dp_rank < 0:
+                raise ValueError(f"invalid dp_rank {dp_rank}")
+            if conn.stream is not None:
+                self.cache.detach(rid, conn.stream)
+            conn.stream = self.cache.attach(rid, job, dp_rank, msg.get("token"))
             log.info("reader attached", extra={"job": job, "dp_rank": dp_rank, "reader": rid})
-            return {"ok": True, "root": str(self.cache.config.root)}, stream
+            return {"ok": True, "root": str(self.cache.config.root)}
         if op == "get":
-            if stream is None:
+            if conn.stream is None:
                 raise ValueError("send 'open' before 'get'")
             step = int(msg["step"])
             if step < 0:
                 raise ValueError(f"step must be >= 0, got {step}")
-            cached, hit = await self.cache.get(rid, stream, step)
+            cached, hit = await self.cache.get(rid, conn.stream, step)
             rel = str(cached.path.relative_to(self.cache.config.root))
-            return {"ok": True, "path": rel, "nbytes": cached.nbytes, "hit": hit}, stream
+            return {"ok": True, "path": rel, "nbytes": cached.nbytes, "hit": hit}
+        if op == "alloc":
+            paths = await self.state.slots.alloc(_name(msg["job"]), _name(msg["role"]), int(msg["nbytes"]))
+            return {"ok": True, "paths": [str(self.state.root / p) for p in paths]}
+        if op == "begin":
+            job, role, step = _name(msg["job"]), _name(msg["role"]), int(msg["step"])
+            slot = self.state.begin(job, role, step)
+            conn.writing.add((job, role, slot))
+            return {"ok": True, "slot": slot, "path": str(self.state.root / slot)}
+        if op == "commit":
+            job, role, slot = _name(msg["job"]), _name(msg["role"]), str(msg["slot"])
+            version = await self.state.commit(job, role, int(msg["step"]), slot, int(msg["nbytes"]), dict(msg["header"]), float(msg.get("save_block_s", 0.0)))
+            conn.writing.discard((job, role, slot))
+            return {"ok": True, "checksum": version.checksum}
+        if op == "restorable":
+            return {"ok": True, **(await self.state.restorable(_name(msg["job"])))}
         if op == "ping":
-            return {"ok": True}, stream
-        raise ValueError(f"unknown op {op!r}; expected open, get or ping")
+            return {"ok": True}
+        raise ValueError(f"unknown op {op!r}; expected open, get, alloc, begin, commit, restorable or ping")
+
+
+class _Conn:
+    """What one client connection holds: the stream it reads, the slots it is writing."""
+
+    def __init__(self) -> None:
+        self.stream: Stream | None = None
+        self.writing: set[tuple[str, str, str]] = set()
+
+
+def _name(value: object) -> str:
+    name = str(value)
+    if not name or "/" in name or name.startswith(".") or len(name) > 128:
+        raise ValueError(f"invalid name {name!r}")
+    return name

@@ -7,7 +7,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import IO, Any
 
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, HTTPException, Response
+
+from dataserver.httpserver import BearerAuth
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from statestore import shm
@@ -16,6 +18,8 @@ from statestore.control import ControlServer
 from statestore.data_cache import DataCache
 from statestore.index import Index
 from statestore.metrics import registry_for
+from statestore.slots import SlotStore
+from statestore.state_service import DurableConfig, StateService
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,7 @@ class Daemon:
         self._lock: IO[bytes] | None = None
         self.index: Index | None = None
         self.cache: DataCache | None = None
+        self.state: StateService | None = None
         self.control: ControlServer | None = None
 
     def prepare(self) -> None:
@@ -40,13 +45,18 @@ class Daemon:
         self.index = Index(root)
         self.cache = DataCache(self.config, self.index, self.token)
         kept, dropped = self.cache.reattach()
-        shm.check_room(root, self.config.budget_bytes, already_ours=self.cache.cached_bytes())
-        log.info("root ready", extra={"root": str(root), "reattached_steps": kept, "dropped": dropped, "stale_tmp": stale})
+        cache = self.cache
+        slots = SlotStore(root, self.index, self.config.budget_bytes, cache.cached_bytes)
+        versions = slots.reattach()
+        self.state = StateService(root, slots, DurableConfig(self.config.durable_dir, self.config.durable_every))
+        shm.check_room(root, self.config.budget_bytes, already_ours=cache.cached_bytes() + slots.slot_bytes())
+        log.info("root ready", extra={"root": str(root), "reattached_steps": kept, "reattached_versions": versions, "dropped": dropped, "stale_tmp": stale})
 
     async def start(self) -> None:
         assert self.cache is not None
         await self.cache.start()
-        self.control = ControlServer(self.cache, self.config.socket_path)
+        assert self.state is not None
+        self.control = ControlServer(self.cache, self.state, self.config.socket_path)
         await self.control.start()
         log.info("control socket ready", extra={"socket": str(self.config.socket_path)})
 
@@ -55,6 +65,9 @@ class Daemon:
             await self.control.close()
         if self.cache is not None:
             await self.cache.close()
+        if self.state is not None:
+            await self.state.close()
+            self.state.slots.close()
         if self.index is not None:
             self.index.close()
         if self._lock is not None:
@@ -87,6 +100,32 @@ def create_app(daemon: Daemon) -> FastAPI:
             "fetched_bytes": c.bytes_fetched,
             "streams": [s.describe(daemon.config.window) for s in c.streams.values()],
         }
+
+    @app.get("/v1/state")
+    def state() -> dict[str, Any]:
+        """Roles, committed versions (step, bytes, checksum, slot), unique and razored bytes,
+        slot use, and the latency of each save's blocking part and of its commit."""
+        assert daemon.state is not None
+        slots = daemon.state.slots
+        return {
+            "slot_bytes": slots.slot_bytes(),
+            "budget_bytes": daemon.config.budget_bytes,
+            "durable_dir": str(daemon.config.durable_dir) if daemon.config.durable_dir else None,
+            "durable_every": daemon.config.durable_every,
+            "durable_written": daemon.state.durable_written,
+            "roles": slots.describe(),
+        }
+
+    @app.get("/v1/state/{job}/{role}/{step}/shard", dependencies=[Depends(BearerAuth(daemon.token))])
+    def shard(job: str, role: str, step: int) -> Response:
+        """The raw bytes of a committed shard (needs the job's token)."""
+        assert daemon.state is not None
+        rs = daemon.state.slots.roles.get((job, role))
+        version = rs.versions.get(step) if rs else None
+        if version is None:
+            raise HTTPException(404, f"no committed shard of {role} at step {step} in job {job!r}")
+        data = bytes(memoryview(daemon.state.slots.mapped(version.path))[: version.nbytes])
+        return Response(data, media_type="application/octet-stream", headers={"X-FFplane-Checksum": version.checksum})
 
     registry = None
 

@@ -1,0 +1,86 @@
+"""The durable tier: committed shards copied to a directory every N steps, readable without ffplane.
+
+Layout: ``<dir>/<job>/step-<step>/<role>.safetensors``. Each file is a standard safetensors file
+with one ``U8`` tensor named ``shard`` (the shard's bytes: ``[private][replicated slice]``) and
+``__metadata__`` holding ``ffplane_header`` (the JSON header: the state tree, every tensor's
+storage/dtype/shape/stride/offset, every storage's stream and offset, the layout and this
+shard's slice), ``checksum`` and ``algorithm`` (XXH3-64 of the shard bytes). To rebuild a state
+without ffplane: concatenate the dp group's replicated slices in dp-rank order, append nothing
+to the private part, and view each tensor at its storage's offset with its dtype and strides.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+from statestore.checksum import ALGORITHM, checksum
+
+log = logging.getLogger(__name__)
+
+
+def step_dir(root: Path, job: str, step: int) -> Path:
+    return root / job / f"step-{step:012d}"
+
+
+def write_shard(root: Path, job: str, role: str, step: int, data: memoryview, digest: str, header: dict[str, Any]) -> Path:
+    directory = step_dir(root, job, step)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"ffplane_header": json.dumps(header), "checksum": digest, "algorithm": ALGORITHM, "step": str(step), "role": role, "job": job}
+    head = json.dumps({"__metadata__": meta, "shard": {"dtype": "U8", "shape": [len(data)], "data_offsets": [0, len(data)]}}).encode()
+    head += b" " * (-len(head) % 8)
+    final = directory / f"{role}.safetensors"
+    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return final
+
+
+def read_meta(path: Path) -> tuple[dict[str, str], int, int]:
+    """(metadata, data offset, data length) of a shard file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        head = json.loads(f.read(n))
+    begin, end = head["shard"]["data_offsets"]
+    return head["__metadata__"], 8 + n + begin, end - begin
+
+
+def verify(path: Path) -> bool:
+    meta, offset, length = read_meta(path)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return checksum(f.read(length)) == meta["checksum"]
+
+
+def restorable(root: Path, job: str, roles: set[str]) -> tuple[int | None, dict[str, dict[str, Any]]]:
+    """Newest durable step holding an intact shard of every role in ``roles`` (or of its layout)."""
+    base = root / job
+    if not base.is_dir():
+        return None, {}
+    for directory in sorted(base.glob("step-*"), reverse=True):
+        files = {p.stem: p for p in directory.glob("*.safetensors")}
+        if not files:
+            continue
+        first_meta, _, _ = read_meta(next(iter(files.values())))
+        expected = set(roles) | set(json.loads(first_meta["ffplane_header"]).get("layout_roles", []))
+        if not expected <= set(files):
+            continue
+        shards = {}
+        for role in expected:
+            if not verify(files[role]):
+                log.warning("corrupt durable shard", extra={"path": str(files[role])})
+                break
+            meta, offset, length = read_meta(files[role])
+            shards[role] = {"path": str(files[role]), "offset": offset, "nbytes": length, "checksum": meta["checksum"], "header": json.loads(meta["ffplane_header"])}
+        else:
+            return int(directory.name.removeprefix("step-")), shards
+    return None, {}

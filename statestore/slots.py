@@ -1,0 +1,257 @@
+"""State slots: every local role's newest committed checkpoint shards, in reused shared memory.
+
+Each role gets ``SLOTS`` (3) slot files, allocated once at its first save with the whole size
+reserved (``posix_fallocate`` — a save that does not fit fails then, with a message, instead of
+a SIGBUS later) and reused for every save: two hold the newest committed versions, one takes the
+save in progress. The worker maps its slots once and copies its bytes in; the daemon then
+checksums the slot and records the version in the LMDB index — only then is it *committed*.
+A worker killed mid-copy leaves an uncommitted slot and both previous versions intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import time
+from collections.abc import Set as AbstractSet
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from statestore.checksum import ALGORITHM, checksum
+from statestore.index import Index
+
+log = logging.getLogger(__name__)
+SLOTS = 3
+KEEP_VERSIONS = 2
+
+
+class SlotError(Exception):
+    """A state request cannot be served; ``status`` is the HTTP-like code for the client."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Version:
+    step: int
+    path: str  # slot file, relative to the root
+    nbytes: int
+    checksum: str
+    header: dict[str, Any]
+    committed_at: float
+    save_block_s: float = 0.0  # the worker's blocking copy, as it reported it
+    commit_s: float = 0.0  # checksum + index, in the daemon
+
+
+@dataclass
+class RoleState:
+    job: str
+    role: str
+    gen: int = 0
+    size: int = 0
+    paths: list[str] = field(default_factory=list)
+    versions: dict[int, Version] = field(default_factory=dict)
+    writing: dict[str, int] = field(default_factory=dict)  # slot path → step being written
+
+    def newest(self, n: int = KEEP_VERSIONS) -> list[Version]:
+        return [self.versions[s] for s in sorted(self.versions, reverse=True)[:n]]
+
+
+def _vkey(job: str, role: str, step: int) -> str:
+    return f"state/{job}/{role}/{step:012d}"
+
+
+class SlotStore:
+    def __init__(self, root: Path, index: Index, budget_bytes: int, used_elsewhere: Any) -> None:
+        self.root = root
+        self.index = index
+        self.budget_bytes = budget_bytes
+        self._used_elsewhere = used_elsewhere  # () -> bytes the data cache holds
+        self.roles: dict[tuple[str, str], RoleState] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def reattach(self) -> int:
+        """Adopt every role's slots and committed versions whose files are intact."""
+        n = 0
+        for key, entry in self.index.items("slots/"):
+            _, job, role = key.split("/")
+            paths = entry["paths"]
+            if all((self.root / p).is_file() and (self.root / p).stat().st_size == entry["size"] for p in paths):
+                self.roles[(job, role)] = RoleState(job, role, entry["gen"], entry["size"], paths)
+            else:
+                self.index.delete(key)
+        for key, entry in self.index.items("state/"):
+            _, job, role, _step = key.split("/")
+            rs = self.roles.get((job, role))
+            v = Version(**entry)
+            if rs is None or not (self.root / v.path).is_file():
+                self.index.delete(key)
+                continue
+            rs.versions[v.step] = v
+            n += 1
+        return n
+
+    def slot_bytes(self) -> int:
+        return sum(len(r.paths) * r.size for r in self.roles.values())
+
+    def mapped(self, rel: str) -> mmap.mmap:
+        mm = self._maps.get(rel)
+        if mm is None:
+            fd = os.open(self.root / rel, os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self._maps[rel] = mm
+        return mm
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            mm.close()
+        self._maps.clear()
+
+    # --- protocol ------------------------------------------------------------------------
+    async def alloc(self, job: str, role: str, nbytes: int) -> list[str]:
+        """Slots of at least ``nbytes`` for ``role``; reuses the current ones when they fit."""
+        rs = self.roles.setdefault((job, role), RoleState(job, role))
+        if rs.size >= nbytes and rs.paths:
+            return rs.paths
+        size = max(nbytes, 1)
+        grow = SLOTS * size - self._live_bytes(rs)
+        free = self.budget_bytes - self.slot_bytes() - self._used_elsewhere()
+        if grow > free:
+            raise SlotError(
+                f"role {role} of job {job} needs {SLOTS} slots x {size / 2**20:.1f} MiB but only "
+                f"{max(free, 0) / 2**20:.1f} MiB of the daemon's budget is left; raise the daemon's "
+                "--budget-mb (and the tmpfs size) or save less state per role",
+                507,
+            )
+        rs.gen += 1
+        directory = self.root / job / "state" / role
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for k in range(SLOTS):
+            path = directory / f"slot-{rs.gen}-{k}.bin"
+            await asyncio.to_thread(_prefault, path, size)
+            paths.append(str(path.relative_to(self.root)))
+        old = set(rs.paths)
+        rs.paths, rs.size = paths, size
+        self.index.put(f"slots/{job}/{role}", {"gen": rs.gen, "size": size, "paths": paths})
+        self._release_unreferenced(rs, old)
+        log.info("slots allocated", extra={"job": job, "role": role, "slot_bytes": size, "slots": SLOTS})
+        return paths
+
+    def _live_bytes(self, rs: RoleState) -> int:
+        return len(rs.paths) * rs.size
+
+    def _release_unreferenced(self, rs: RoleState, candidates: set[str]) -> None:
+        referenced = {v.path for v in rs.versions.values()} | set(rs.paths)
+        for rel in candidates - referenced:
+            mm = self._maps.pop(rel, None)
+            if mm is not None:
+                mm.close()
+            (self.root / rel).unlink(missing_ok=True)
+
+    def begin(self, job: str, role: str, step: int, exclude: AbstractSet[str] = frozenset()) -> str:
+        """Pick the slot for ``step``: neither of the two newest committed versions nor in use."""
+        rs = self.roles.get((job, role))
+        if rs is None or not rs.paths:
+            raise SlotError(f"role {role} of job {job} has no slots; send 'alloc' first")
+        keep = {v.path for v in rs.newest()}
+        free = [p for p in rs.paths if p not in keep and p not in rs.writing and p not in exclude]
+        if not free:
+            raise SlotError(f"no free slot for {role} step {step}: a save is still being committed or copied to the durable tier; wait for it", 409)
+        slot = free[0]
+        stale = [s for s, v in rs.versions.items() if v.path == slot]
+        for s in stale:  # the version this slot held is about to be overwritten
+            del rs.versions[s]
+        if stale:
+            self.index.delete(*(_vkey(job, role, s) for s in stale))
+        rs.writing[slot] = step
+        return slot
+
+    def abandon(self, job: str, role: str, slot: str) -> None:
+        """The writer went away before committing: the slot is free again (it holds no version)."""
+        rs = self.roles.get((job, role))
+        if rs is not None:
+            rs.writing.pop(slot, None)
+
+    async def commit(self, job: str, role: str, step: int, slot: str, nbytes: int, header: dict[str, Any], save_block_s: float) -> Version:
+        rs = self.roles.get((job, role))
+        if rs is None or rs.writing.get(slot) != step:
+            raise SlotError(f"commit of {role} step {step} to {slot} was not begun here", 409)
+        if not 0 <= nbytes <= rs.size:
+            raise SlotError(f"commit of {nbytes} bytes exceeds the slot size {rs.size}", 400)
+        started = time.perf_counter()
+        mm = self.mapped(slot)
+        digest = await asyncio.to_thread(checksum, memoryview(mm)[:nbytes])
+        version = Version(step, slot, nbytes, digest, header, time.time(), save_block_s)
+        version.commit_s = time.perf_counter() - started
+        self.index.put(_vkey(job, role, step), asdict(version))  # the commit point
+        rs.versions[step] = version
+        rs.writing.pop(slot, None)
+        for old in sorted(rs.versions)[:-KEEP_VERSIONS]:
+            del rs.versions[old]
+            self.index.delete(_vkey(job, role, old))
+        return version
+
+    def verify(self, version: Version) -> bool:
+        return checksum(memoryview(self.mapped(version.path))[: version.nbytes]) == version.checksum
+
+    async def restorable(self, job: str) -> tuple[int | None, dict[str, Version]]:
+        """Newest step committed, and intact, for every role of ``job`` known here."""
+        roles = {r: rs for (j, r), rs in self.roles.items() if j == job}
+        expected = set(roles)
+        for rs in roles.values():  # a role's layout names its peers, even those never seen here
+            for v in rs.newest(1):
+                expected |= set(v.header.get("layout_roles", []))
+        if not roles or expected - set(roles) or any(not rs.versions for rs in roles.values()):
+            return None, {}
+        common = set.intersection(*(set(rs.versions) for rs in roles.values()))
+        for step in sorted(common, reverse=True):
+            chosen = {r: rs.versions[step] for r, rs in roles.items()}
+            intact = await asyncio.to_thread(lambda: all(self.verify(v) for v in chosen.values()))
+            if intact:
+                return step, chosen
+            log.warning("corrupt shard: trying an older step", extra={"job": job, "step": step})
+        return None, {}
+
+    def describe(self) -> list[dict[str, Any]]:
+        out = []
+        for rs in self.roles.values():
+            newest = rs.newest()
+            header = newest[0].header if newest else {}
+            out.append({
+                "job": rs.job,
+                "role": rs.role,
+                "slots": len(rs.paths),
+                "slot_bytes": rs.size,
+                "writing": sorted(rs.writing.values()),
+                "unique_bytes": header.get("unique_nbytes"),
+                "razored_bytes": newest[0].nbytes if newest else None,
+                "versions": [
+                    {"step": v.step, "nbytes": v.nbytes, "checksum": v.checksum, "algorithm": ALGORITHM,
+                     "slot": v.path, "save_block_s": round(v.save_block_s, 6), "commit_s": round(v.commit_s, 6),
+                     "committed_at": v.committed_at}
+                    for v in newest
+                ],
+            })
+        return out
+
+
+def _prefault(path: Path, size: int) -> None:
+    """Create ``path`` with every page of ``size`` allocated now (first touch off the save path)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise SlotError(f"cannot reserve {size / 2**20:.1f} MiB at {path}: {exc}; the tmpfs is full", 507) from exc
+    os.close(fd)

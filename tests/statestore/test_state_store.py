@@ -1,0 +1,162 @@
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests._servers import TOKEN, Proc
+from trainer_client import Checkpointer, FFPlaneError, Layout
+
+
+def _state(step: int, seed: int = 0) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    model = {"w": torch.randn(256, 64, generator=g) + step, "b": torch.full((64,), float(step), dtype=torch.bfloat16)}
+    return {"model": model, "optim": {"m": model["w"] * 0.5, "count": torch.tensor(step)}, "step": step, "note": f"after {step}"}
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _pair(sock: Path, **kw: object) -> list[Checkpointer]:
+    return [Checkpointer("job", Layout(dp=2, dp_rank=r), socket_path=sock, **kw) for r in range(2)]  # type: ignore[arg-type]
+
+
+def test_razor_splits_replicated_state_and_restore_reassembles(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon()
+    sock = shm_root / "daemon.sock"
+    cks = _pair(sock)
+    assert cks[0].restore() is None  # a fresh job
+    for step in range(3):
+        for ck in cks:
+            ck.save(step, _state(step))
+    for ck in cks:
+        ck.close()
+    roles = {r["role"]: r for r in httpx.get(daemon.url + "/v1/state").json()["roles"]}
+    unique = roles["dp0-pp0-tp0"]["unique_bytes"]
+    assert roles["dp0-pp0-tp0"]["razored_bytes"] + roles["dp1-pp0-tp0"]["razored_bytes"] == unique
+    assert abs(roles["dp0-pp0-tp0"]["razored_bytes"] - unique / 2) <= 64
+    assert [v["step"] for v in roles["dp1-pp0-tp0"]["versions"]] == [2, 1]  # two newest kept
+    restored = Checkpointer("job", Layout(dp=2, dp_rank=1), socket_path=sock).restore()
+    assert restored is not None and restored.step == 2 and restored.source == "memory"
+    assert _equal(restored.state, _state(2))
+
+
+def test_private_state_is_saved_whole_by_its_owner(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    start_daemon()
+    cks = [Checkpointer("job", Layout(dp=2, dp_rank=r), private_keys=("optim",), socket_path=shm_root / "daemon.sock") for r in range(2)]
+    for r, ck in enumerate(cks):
+        st = _state(4)
+        st["optim"] = {"shard": torch.full((1000,), float(r))}  # ZeRO: each rank owns different optimizer state
+        ck.save(4, st)
+        ck.close()
+    for r in range(2):
+        got = Checkpointer("job", Layout(dp=2, dp_rank=r), private_keys=("optim",), socket_path=shm_root / "daemon.sock").restore()
+        assert got is not None and torch.equal(got.state["optim"]["shard"], torch.full((1000,), float(r)))
+        assert _equal(got.state["model"], _state(4)["model"])
+
+
+def test_restore_into_existing_tensors(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    start_daemon()
+    ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
+    ck.save(7, _state(7))
+    ck.close()
+    live = _state(0)
+    ptrs = [live["model"]["w"].data_ptr(), live["optim"]["m"].data_ptr()]  # type: ignore[index]
+    got = Checkpointer("job", socket_path=shm_root / "daemon.sock").restore(into=live)
+    assert got is not None and got.state is live and got.step == 7
+    assert [live["model"]["w"].data_ptr(), live["optim"]["m"].data_ptr()] == ptrs  # type: ignore[index]
+    assert _equal(live, _state(7))
+
+
+def test_corrupt_slot_falls_back_to_the_older_version_for_every_role(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon()
+    sock = shm_root / "daemon.sock"
+    cks = _pair(sock)
+    for step in (10, 11):
+        for ck in cks:
+            ck.save(step, _state(step))
+    for ck in cks:
+        ck.close()
+    newest = next(r for r in httpx.get(daemon.url + "/v1/state").json()["roles"] if r["role"] == "dp1-pp0-tp0")["versions"][0]
+    assert newest["step"] == 11
+    with open(shm_root / newest["slot"], "r+b") as f:  # flip bytes in the middle of the shard
+        f.seek(newest["nbytes"] // 2)
+        f.write(b"\xff" * 16)
+    for r in range(2):  # invariant 3: both roles restore the same (older) step
+        got = Checkpointer("job", Layout(dp=2, dp_rank=r), socket_path=sock).restore()
+        assert got is not None and got.step == 10 and _equal(got.state, _state(10))
+
+
+def test_all_memory_copies_corrupt_uses_the_durable_tier(tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon("--durable-dir", str(tmp_path / "durable"), "--durable-every", "2")
+    sock = shm_root / "daemon.sock"
+    ck = Checkpointer("job", socket_path=sock)
+    for step in range(4):  # steps 0 and 2 go to the durable tier
+        ck.save(step, _state(step))
+    ck.close()
+    for v in next(iter(httpx.get(daemon.url + "/v1/state").json()["roles"]))["versions"]:
+        (shm_root / v["slot"]).write_bytes(b"\0" * v["nbytes"])  # same size, wrong bytes
+    got = Checkpointer("job", socket_path=sock).restore()
+    assert got is not None and got.source == "durable" and got.step == 2 and _equal(got.state, _state(2))
+    import safetensors.numpy  # readable without ffplane
+
+    shard = safetensors.numpy.load_file(str(tmp_path / "durable" / "job" / f"step-{2:012d}" / "dp0-pp0-tp0.safetensors"))["shard"]
+    assert shard.dtype.name == "uint8" and shard.size > 256 * 64 * 4
+
+
+def test_daemon_sigkilled_and_restarted_serves_every_committed_version(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon()
+    sock = shm_root / "daemon.sock"
+    cks = _pair(sock)
+    for step in (20, 21):
+        for ck in cks:
+            ck.save(step, _state(step))
+    for ck in cks:
+        ck.close()
+    before = httpx.get(daemon.url + "/v1/state").json()["roles"]
+    daemon.kill(signal.SIGKILL)
+    restarted = start_daemon()
+    after = httpx.get(restarted.url + "/v1/state").json()["roles"]
+    key = lambda roles: sorted((r["role"], v["step"], v["checksum"]) for r in roles for v in r["versions"])  # noqa: E731
+    assert key(after) == key(before) and len(key(after)) == 4
+    got = Checkpointer("job", Layout(dp=2, dp_rank=0), socket_path=sock).restore()
+    assert got is not None and got.step == 21 and _equal(got.state, _state(21))
+    # and saving continues into the reattached slots
+    ck = Checkpointer("job", Layout(dp=2, dp_rank=0), socket_path=sock)
+    ck.save(22, _state(22))
+    ck.close()
+
+
+def test_state_that_cannot_fit_fails_at_the_first_save(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    start_daemon()  # 256 MiB budget (see conftest)
+    ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
+    with pytest.raises(FFPlaneError, match=r"needs 3 slots x 128.0 MiB .* raise the daemon's --budget-mb"):
+        ck.save(0, {"w": torch.zeros(32 << 20)})  # 128 MiB x 3 slots > 256 MiB
+    ck.close()
+    assert not list((shm_root / "job" / "state").rglob("*.bin")) if (shm_root / "job" / "state").exists() else True
+
+
+def test_shard_bytes_need_the_token(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon()
+    ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
+    ck.save(1, _state(1))
+    ck.close()
+    url = daemon.url + "/v1/state/job/dp0-pp0-tp0/1/shard"
+    assert httpx.get(url).status_code == 401
+    r = httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and len(r.content) > 0
+    import xxhash
+
+    assert xxhash.xxh3_64_hexdigest(r.content) == r.headers["x-ffplane-checksum"]
+    assert httpx.get(daemon.url + "/v1/state/job/dp0-pp0-tp0/99/shard", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
+    assert json.loads(httpx.get(daemon.url + "/v1/state").text)["roles"][0]["versions"][0]["save_block_s"] > 0

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainer_client import StateError
+from trainer_client.state_codec import encode, decode
+
+
+def _round_trip(state: object, private: frozenset[str] = frozenset()) -> object:
+    enc = encode(state, private)
+    header = json.loads(json.dumps(enc.header()))  # what crosses the process boundary
+    return decode(header, [s.clone() for s in enc.sources])
+
+
+def test_every_common_dtype_and_json_leaves() -> None:
+    state = {
+        "t": {str(d): (torch.arange(7) % 2).to(d) for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)},
+        "loop": {"step": 12, "lr": 3e-4, "name": "run", "flags": [True, None], "inf": float("inf"), "pair": (1, 2)},
+        3: "int key",
+    }
+    out = _round_trip(state)
+    assert isinstance(out, dict)
+    for k, v in state["t"].items():
+        assert out["t"][k].dtype == v.dtype and torch.equal(out["t"][k], v)
+    assert out["loop"] == state["loop"] and out[3] == "int key"
+
+
+def test_non_contiguous_and_shared_storage_survive() -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tied = torch.nn.Parameter(torch.randn(5, 3))
+    state = {"t": base.t(), "slice": base[1:3, ::2], "whole": base, "a": tied, "b": tied}
+    enc = encode(state)
+    assert len(enc.storages) == 2  # base once, tied once
+    out = _round_trip(state)
+    assert out["t"].stride() == (1, 6) and torch.equal(out["t"], base.t())
+    assert torch.equal(out["slice"], base[1:3, ::2])
+    assert out["a"].data_ptr() == out["b"].data_ptr()
+    out["whole"][0, 0] = 100.0
+    assert out["t"][0, 0] == 100.0  # views still share after restore
+
+
+def test_private_keys_go_to_the_private_stream() -> None:
+    enc = encode({"model": torch.ones(10), "optim": {"m": torch.ones(20)}}, frozenset({"optim"}))
+    streams = {s.stream: s.nbytes for s in enc.storages}
+    assert streams == {"replicated": 40, "private": 80}
+
+
+@pytest.mark.parametrize(
+    ("state", "needle"),
+    [
+        ({"model": {"layer": object()}}, r"state\['model'\]\['layer'\] is a builtins.object"),
+        ({"opt": [1, {2.5: 1}]}, r"state\['opt'\]\[1\]\[2\.5\] is a float; keys must be str or int"),
+        ({"s": torch.ones(2).to_sparse()}, r"state\['s'\] is a torch.sparse_coo tensor"),
+    ],
+)
+def test_unsupported_leaves_are_refused_by_key(state: object, needle: str) -> None:
+    with pytest.raises(StateError, match=needle):
+        encode(state)
+
+
+def test_restore_into_copies_into_existing_tensors() -> None:
+    src = {"w": torch.randn(3, 3), "n": 1}
+    enc = encode(src)
+    target = {"w": torch.zeros(3, 3), "n": 0}
+    ptr = target["w"].data_ptr()
+    out = decode(json.loads(json.dumps(enc.header())), [s.clone() for s in enc.sources], into=target)
+    assert out is target and target["w"].data_ptr() == ptr and torch.equal(target["w"], src["w"]) and target["n"] == 1
+    with pytest.raises(StateError, match=r"into\['w'\]: expected a torch.float32 tensor of shape \(3, 3\)"):
+        decode(enc.header(), enc.sources, into={"w": torch.zeros(2)})

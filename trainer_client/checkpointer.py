@@ -1,0 +1,268 @@
+"""The state API: ``save(step, state)`` after every optimizer step, ``restore()`` on start-up.
+
+``save`` blocks only for one copy of this role's unique bytes into a daemon slot that was
+allocated and pre-faulted once and is reused; the checksum and the commit run in the daemon,
+waited for by a background thread. At most one commit is in flight: a ``save`` that finds the
+previous one still committing waits for it (``on_busy="wait"``, the default) or returns False
+without saving (``on_busy="skip"``). ``restore()`` returns the newest step every role of the job
+has committed intact (all roles restore the same step), reassembling the razored replicated
+state from the dp group's shards; ``restore(into=state)`` copies into the caller's tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from trainer_client._daemon_client import DaemonClient
+from trainer_client.dataloader import DEFAULT_SOCKET, SOCKET_ENV
+from trainer_client.errors import CorruptError, FFPlaneError, NotFoundError
+from trainer_client.pagemap import populate_read
+from trainer_client.razor import Layout, slice_of
+from trainer_client.state_codec import decode, encode
+
+log = logging.getLogger(__name__)
+_MADV_POPULATE_WRITE = 23
+
+
+@dataclass
+class Restored:
+    step: int
+    state: Any
+    source: str  # "memory" or "durable"
+
+
+class _Slot:
+    """One slot file mapped shared and writable, pre-faulted once, as a uint8 tensor."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        try:
+            self.mm.madvise(_MADV_POPULATE_WRITE)  # page tables now, not on the first save's copy
+        except OSError:
+            pass
+        self.path = path
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.tensor
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a restored view still uses it; the mapping goes when that view does
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        job: str,
+        layout: Layout | None = None,
+        *,
+        private_keys: tuple[str, ...] = (),
+        socket_path: str | os.PathLike[str] | None = None,
+        durable_dir: str | os.PathLike[str] | None = None,
+        on_busy: Literal["wait", "skip"] = "wait",
+        timeout_s: float = 120.0,
+    ) -> None:
+        """``private_keys``: top-level state keys that are *not* replicated across the dp group
+        (e.g. ``("optim",)`` with a ZeRO-sharded optimizer); everything else is razored."""
+        if on_busy not in ("wait", "skip"):
+            raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        self.job = job
+        self.layout = layout or Layout()
+        self.private_keys = frozenset(private_keys)
+        self.socket_path = Path(socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
+        self.durable_dir = Path(durable_dir) if durable_dir else None
+        self.on_busy = on_busy
+        self.timeout_s = timeout_s
+        self._client: DaemonClient | None = None
+        self._lock = threading.Lock()  # one request at a time on the daemon connection
+        self._slots: dict[str, _Slot] = {}
+        self._slot_size = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-commit-{job}-{self.layout.role}")
+        self._inflight: Future[str] | None = None
+        self.last_save_block_s = 0.0
+        self.saves = self.skipped = 0
+
+    @property
+    def role(self) -> str:
+        return self.layout.role
+
+    def _call(self, **msg: Any) -> dict[str, Any]:
+        with self._lock:
+            if self._client is None:
+                self._client = DaemonClient(self.socket_path, self.timeout_s)
+            return self._client.call(**msg)
+
+    # --- save ----------------------------------------------------------------------------
+    def save(self, step: int, state: Any) -> bool:
+        """Checkpoint ``state`` as the state after optimizer step ``step``; False if skipped."""
+        if self._inflight is not None:
+            if not self._inflight.done() and self.on_busy == "skip":
+                self.skipped += 1
+                return False
+            self._inflight.result(timeout=self.timeout_s)  # re-raises a failed commit here
+            self._inflight = None
+        started = time.perf_counter()
+        enc = encode(state, self.private_keys)
+        replicated = enc.stream_nbytes["replicated"]
+        lo, hi = slice_of(replicated, self.layout.dp, self.layout.dp_rank)
+        private = enc.stream_nbytes["private"]
+        nbytes = private + hi - lo
+        if nbytes > self._slot_size or not self._slots:
+            self._allocate(nbytes)
+        slot = self._begin(step)
+        dst = self._slots[slot["path"]].tensor
+        for entry, src in zip(enc.storages, enc.sources):
+            if entry.stream == "private":
+                dst[entry.offset : entry.offset + entry.nbytes].copy_(src)
+                continue
+            a, b = max(entry.offset, lo), min(entry.offset + entry.nbytes, hi)
+            if a < b:  # the part of this storage inside this rank's slice
+                dst[private + a - lo : private + b - lo].copy_(src[a - entry.offset : b - entry.offset])
+        self.last_save_block_s = time.perf_counter() - started
+        header = enc.header() | {
+            "role": self.role,
+            "layout": asdict(self.layout),
+            "layout_roles": self.layout.all_roles(),
+            "private_nbytes": private,
+            "piece": [lo, hi],
+            "unique_nbytes": private + replicated,
+        }
+        self._inflight = self._pool.submit(self._commit, step, slot["slot"], nbytes, header, self.last_save_block_s)
+        self.saves += 1
+        return True
+
+    def _allocate(self, nbytes: int) -> None:
+        reply = self._call(op="alloc", job=self.job, role=self.role, nbytes=nbytes)
+        for s in self._slots.values():
+            s.close()
+        self._slots = {p: _Slot(p) for p in reply["paths"]}
+        self._slot_size = min(s.mm.size() for s in self._slots.values())
+
+    def _begin(self, step: int) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._call(op="begin", job=self.job, role=self.role, step=step)
+            except FFPlaneError as exc:  # 409: a durable copy still holds the free slot
+                if "no free slot" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    def _commit(self, step: int, slot: str, nbytes: int, header: dict[str, Any], block_s: float) -> str:
+        reply = self._call(op="commit", job=self.job, role=self.role, step=step, slot=slot, nbytes=nbytes, header=header, save_block_s=block_s)
+        return str(reply["checksum"])
+
+    def wait(self) -> None:
+        """Block until the last save is committed (raises if its commit failed)."""
+        if self._inflight is not None:
+            self._inflight.result(timeout=self.timeout_s)
+            self._inflight = None
+
+    # --- restore -------------------------------------------------------------------------
+    def restore(self, into: Any = None) -> Restored | None:
+        """The restorable step's state for this role, or None on a fresh job.
+
+        With ``into`` (this role's live state, same structure), tensors are copied into the
+        caller's tensors and ``into`` is returned. Without it, tensors are zero-copy views of
+        the shards wherever a storage lies in one shard (copy-on-write: writing to them never
+        reaches the store) and fresh tensors where the razor split a storage across shards.
+        """
+        found = self._restorable()
+        if found is None:
+            return None
+        step, source, shards = found
+        me = shards.get(self.role)
+        if me is None:
+            raise NotFoundError(f"step {step} has no shard for role {self.role}; roles present: {sorted(shards)}")
+        header = me["header"]
+        mine = _map_shard(me)
+        peers = {r: _map_shard(shards[r]) for r in self.layout.dp_peers() if r in shards and r != self.role}
+        pieces = [(shards[r]["header"]["piece"], shards[r]["header"]["private_nbytes"], peers.get(r, mine)) for r in self.layout.dp_peers() if r in shards]
+        storages = []
+        lo, hi = header["piece"]
+        private = header["private_nbytes"]
+        for entry in header["storages"]:
+            off, n = entry["offset"], entry["nbytes"]
+            if entry["stream"] == "private":
+                storages.append(mine[off : off + n])
+            elif lo <= off and off + n <= hi:
+                storages.append(mine[private + off - lo : private + off - lo + n])
+            else:
+                storages.append(_assemble(off, n, pieces, step))
+        state = decode(header, storages, into)
+        return Restored(step, state, source)
+
+    def _restorable(self) -> tuple[int, str, dict[str, Any]] | None:
+        try:
+            reply = self._call(op="restorable", job=self.job)
+        except FFPlaneError as exc:
+            if self.durable_dir is None:
+                raise
+            log.warning("no daemon answered (%s): restoring from the durable tier %s", exc, self.durable_dir)
+            from statestore import durable
+
+            step, shards = durable.restorable(self.durable_dir, self.job, set(self.layout.all_roles()))
+            return None if step is None else (step, "durable", shards)
+        if reply["step"] is None:
+            return None
+        return int(reply["step"]), str(reply["source"]), dict(reply["shards"])
+
+    def close(self) -> None:
+        """Wait for the last commit, stop the commit thread, unmap slots; safe to call twice."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            for s in self._slots.values():
+                s.close()
+            self._slots = {}
+            with self._lock:
+                if self._client is not None:
+                    self._client.close()
+                    self._client = None
+
+
+def _map_shard(shard: dict[str, Any]) -> torch.Tensor:
+    """A shard's bytes as a uint8 tensor over a private (copy-on-write) mapping of its file."""
+    fd = os.open(shard["path"], os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    populate_read(whole.data_ptr(), size)
+    begin = int(shard["offset"])
+    if begin + int(shard["nbytes"]) > size:
+        raise CorruptError(f"shard {shard['path']} is shorter than its header says")
+    return whole[begin : begin + int(shard["nbytes"])]
+
+
+def _assemble(off: int, n: int, pieces: list[tuple[list[int], int, torch.Tensor]], step: int) -> torch.Tensor:
+    """A razored storage rebuilt from the dp group's slices of the replicated stream."""
+    out = torch.empty(n, dtype=torch.uint8)
+    covered = 0
+    for (lo, hi), private, shard in pieces:
+        a, b = max(off, lo), min(off + n, hi)
+        if a < b:
+            out[a - off : b - off].copy_(shard[private + a - lo : private + b - lo])
+            covered += b - a
+    if covered != n:
+        raise CorruptError(f"step {step}: the dp group's shards cover {covered} of {n} bytes of a storage; a peer's shard is missing")
+    return out

@@ -1,0 +1,49 @@
+"""The checkpoint razor: who saves which bytes of a state replicated across a dp group.
+
+Every rank of a data-parallel group holds the same replicated state (model, and the optimizer
+unless it is sharded), so each saves only its ``1/dp`` slice of the replicated byte stream and a
+restore reassembles it from the group's shards. Private state (a sharded optimizer's own part)
+is saved whole by its owner. A shard is laid out as ``[private bytes][replicated slice]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job's parallel shape and this worker's role in it."""
+
+    dp: int = 1
+    dp_rank: int = 0
+    pp: int = 1
+    pp_rank: int = 0
+    tp: int = 1
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name, size, rank in (("dp", self.dp, self.dp_rank), ("pp", self.pp, self.pp_rank), ("tp", self.tp, self.tp_rank)):
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"{name}_rank={rank} must be in [0, {name}={size})")
+
+    @property
+    def role(self) -> str:
+        """The role's name: stable across restarts, independent of network ranks."""
+        return role_name(self.dp_rank, self.pp_rank, self.tp_rank)
+
+    def dp_peers(self) -> list[str]:
+        """Roles of this role's dp group (same pp and tp ranks), in dp-rank order."""
+        return [role_name(d, self.pp_rank, self.tp_rank) for d in range(self.dp)]
+
+    def all_roles(self) -> list[str]:
+        return [role_name(d, p, t) for d in range(self.dp) for p in range(self.pp) for t in range(self.tp)]
+
+
+def role_name(dp_rank: int, pp_rank: int, tp_rank: int) -> str:
+    return f"dp{dp_rank}-pp{pp_rank}-tp{tp_rank}"
+
+
+def slice_of(total: int, dp: int, dp_rank: int) -> tuple[int, int]:
+    """Byte range ``[lo, hi)`` of the replicated stream that ``dp_rank`` saves (even split)."""
+    return total * dp_rank // dp, total * (dp_rank + 1) // dp

@@ -1,0 +1,179 @@
+"""A training state (nested dicts/lists of tensors and JSON values) ↔ raw storage bytes + a header.
+
+Tensors are saved by *storage*: tensors that share one (views, tied weights) are saved once and
+restored sharing it again; non-contiguous tensors keep their strides. The header is JSON — the
+tree with every tensor replaced by a reference (storage, offset, shape, stride, dtype) — so no
+pickle crosses a process boundary, and any leaf that is neither a tensor nor JSON-serialisable
+is refused with an error naming its key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from trainer_client.errors import FFPlaneError
+
+ALIGN = 64  # storage start alignment in the byte stream (cache line; any dtype)
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+        torch.float8_e4m3fn, torch.float8_e5m2,
+    )
+}  # fmt: skip
+_TENSOR_TAG = "__ffplane_tensor__"
+
+
+class StateError(FFPlaneError, TypeError):
+    """The state holds something that cannot be saved; the message names the key."""
+
+
+@dataclass
+class StorageEntry:
+    stream: str  # "replicated" (razored across the dp group) or "private" (this role's own)
+    offset: int  # byte offset in its stream
+    nbytes: int
+
+
+@dataclass
+class TensorRef:
+    storage: int
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    storage_offset: int  # in elements
+    requires_grad: bool = False
+
+
+@dataclass
+class Encoded:
+    """What ``encode`` found: storages to copy (in stream order) and the JSON header parts."""
+
+    storages: list[StorageEntry] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)  # uint8 view of each storage
+    tensors: list[TensorRef] = field(default_factory=list)
+    tree: Any = None
+    stream_nbytes: dict[str, int] = field(default_factory=lambda: {"replicated": 0, "private": 0})
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "tree": self.tree,
+            "tensors": [asdict(t) for t in self.tensors],
+            "storages": [asdict(s) for s in self.storages],
+            "stream_nbytes": dict(self.stream_nbytes),
+        }
+
+
+def _key(path: tuple[str | int, ...]) -> str:
+    return "".join(f"[{p!r}]" for p in path) or "<root>"
+
+
+def encode(state: Any, private_keys: frozenset[str] = frozenset()) -> Encoded:
+    """Walk ``state``; top-level keys in ``private_keys`` go to the private stream."""
+    enc = Encoded()
+    by_storage: dict[tuple[int, int], int] = {}
+
+    def walk(node: Any, path: tuple[str | int, ...], stream: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            return {_TENSOR_TAG: tensor(node, path, stream)}
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise StateError(f"state{_key(path)}[{k!r}] is a {type(k).__name__}; keys must be str or int")
+                sub = private_keys and not path and str(k) in private_keys
+                out[str(k) if isinstance(k, str) else f"__int__{k}"] = walk(v, (*path, k), "private" if sub else stream)
+            return out
+        if isinstance(node, (list, tuple)):
+            items = [walk(v, (*path, i), stream) for i, v in enumerate(node)]
+            return {"__tuple__": items} if isinstance(node, tuple) else items
+        if node is None or isinstance(node, (bool, int, str)):
+            return node
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                return {"__float__": repr(node)}  # JSON has no inf/nan
+            return node
+        raise StateError(
+            f"state{_key(path)} is a {type(node).__module__}.{type(node).__name__}; only tensors and "
+            "JSON values (dict, list, str, int, float, bool, None) can be saved — convert it (e.g. "
+            "to a tensor or a dict) before save()"
+        )
+
+    def tensor(t: torch.Tensor, path: tuple[str | int, ...], stream: str) -> int:
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise StateError(f"state{_key(path)} has dtype {t.dtype}, which ffplane cannot save")
+        if t.device.type != "cpu":
+            t = t.detach().cpu()  # GPU state: the blocking part becomes the device-to-host copy
+        if t.is_sparse or t.layout != torch.strided:
+            raise StateError(f"state{_key(path)} is a {t.layout} tensor; save a dense tensor")
+        storage = t.untyped_storage()
+        skey = (storage.data_ptr(), storage.nbytes())
+        sid = by_storage.get(skey)
+        if sid is None:
+            sid = len(enc.storages)
+            offset = enc.stream_nbytes[stream]
+            enc.storages.append(StorageEntry(stream, offset, storage.nbytes()))
+            enc.sources.append(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))
+            enc.stream_nbytes[stream] = offset + -(-storage.nbytes() // ALIGN) * ALIGN
+            by_storage[skey] = sid
+        enc.tensors.append(TensorRef(sid, dtype, [int(x) for x in t.shape], [int(x) for x in t.stride()], int(t.storage_offset()), bool(t.requires_grad)))
+        return len(enc.tensors) - 1
+
+    enc.tree = walk(state, (), "replicated")
+    json.dumps(enc.tree)  # fails loudly here, not in the daemon, if anything slipped through
+    return enc
+
+
+def decode(header: dict[str, Any], storages: list[torch.Tensor], into: Any = None) -> Any:
+    """Rebuild the state from ``storages`` (uint8 tensors, one per storage entry).
+
+    With ``into`` (a state of the same structure), every tensor is copied into the caller's
+    existing tensor and ``into`` is returned updated; otherwise tensors view ``storages``.
+    """
+    refs = [TensorRef(**t) for t in header["tensors"]]
+
+    def view(i: int) -> torch.Tensor:
+        r = refs[i]
+        dt = _DTYPES[r.dtype]
+        base = storages[r.storage]
+        typed = base.view(dt)
+        # as_strided's offset counts from the start of the underlying buffer, not of ``base``
+        return typed.as_strided(r.shape, r.stride, typed.storage_offset() + r.storage_offset)
+
+    def build(node: Any, target: Any, path: tuple[str | int, ...]) -> Any:
+        if isinstance(node, dict):
+            if _TENSOR_TAG in node:
+                src = view(node[_TENSOR_TAG])
+                if target is None:
+                    return src
+                if not isinstance(target, torch.Tensor) or target.shape != src.shape or target.dtype != src.dtype:
+                    raise StateError(f"into{_key(path)}: expected a {src.dtype} tensor of shape {tuple(src.shape)}, got {target!r:.80}")
+                with torch.no_grad():
+                    target.copy_(src)
+                return target
+            if "__tuple__" in node:
+                return tuple(build(v, None, (*path, i)) for i, v in enumerate(node["__tuple__"]))
+            if "__float__" in node:
+                return float(node["__float__"])
+            out = target if isinstance(target, dict) else {}
+            for k, v in node.items():
+                key: str | int = int(k[7:]) if k.startswith("__int__") else k
+                out[key] = build(v, out.get(key) if isinstance(out, dict) else None, (*path, key))
+            return out
+        if isinstance(node, list):
+            tgt = target if isinstance(target, list) and len(target) == len(node) else None
+            items = [build(v, tgt[i] if tgt else None, (*path, i)) for i, v in enumerate(node)]
+            if tgt is not None:
+                tgt[:] = items
+                return tgt
+            return items
+        return node
+
+    return build(header["tree"], into, ())
