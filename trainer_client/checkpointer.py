@@ -175,13 +175,16 @@ class Checkpointer:
             self._inflight = None
 
     # --- restore -------------------------------------------------------------------------
-    def restore(self, into: Any = None) -> Restored | None:
+    def restore(self, into: Any = None, view: bool = False) -> Restored | None:
         """The restorable step's state for this role, or None on a fresh job.
 
-        With ``into`` (this role's live state, same structure), tensors are copied into the
-        caller's tensors and ``into`` is returned. Without it, tensors are zero-copy views of
-        the shards wherever a storage lies in one shard (copy-on-write: writing to them never
-        reaches the store) and fresh tensors where the razor split a storage across shards.
+        * ``restore()``: fresh tensors, owned by the caller (one allocation per saved storage;
+          tensors that shared a storage share it again).
+        * ``restore(into=state)``: copied into the caller's existing tensors (same structure),
+          no allocation but for storages the razor split across the dp group.
+        * ``restore(view=True)``: zero-copy views of the shards where a storage lies in one shard.
+          Read-only by contract and valid only until this role's second save after the restore:
+          the slot they map is then reused (a write to them stays private, copy-on-write).
         """
         found = self._restorable()
         if found is None:
@@ -197,14 +200,17 @@ class Checkpointer:
         storages = []
         lo, hi = header["piece"]
         private = header["private_nbytes"]
+        owned = into is None and not view  # the caller gets tensors that no slot reuse can touch
         for entry in header["storages"]:
             off, n = entry["offset"], entry["nbytes"]
             if entry["stream"] == "private":
-                storages.append(mine[off : off + n])
+                mapped = mine[off : off + n]
             elif lo <= off and off + n <= hi:
-                storages.append(mine[private + off - lo : private + off - lo + n])
+                mapped = mine[private + off - lo : private + off - lo + n]
             else:
-                storages.append(_assemble(off, n, pieces, step))
+                storages.append(_assemble(off, n, pieces, step))  # already a fresh buffer
+                continue
+            storages.append(mapped.clone() if owned else mapped)
         state = decode(header, storages, into)
         return Restored(step, state, source)
 
@@ -264,5 +270,8 @@ def _assemble(off: int, n: int, pieces: list[tuple[list[int], int, torch.Tensor]
             out[a - off : b - off].copy_(shard[private + a - lo : private + b - lo])
             covered += b - a
     if covered != n:
-        raise CorruptError(f"step {step}: the dp group's shards cover {covered} of {n} bytes of a storage; a peer's shard is missing")
+        raise CorruptError(
+            f"step {step}: the dp group's slices {[p[0] for p in pieces]} cover {covered} of the {n} bytes at "
+            f"{off} of the replicated stream; a peer's shard is missing or was saved with another layout"
+        )
     return out

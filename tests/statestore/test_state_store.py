@@ -160,3 +160,19 @@ def test_shard_bytes_need_the_token(start_daemon: Callable[..., Proc], shm_root:
     assert xxhash.xxh3_64_hexdigest(r.content) == r.headers["x-ffplane-checksum"]
     assert httpx.get(daemon.url + "/v1/state/job/dp0-pp0-tp0/99/shard", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
     assert json.loads(httpx.get(daemon.url + "/v1/state").text)["roles"][0]["versions"][0]["save_block_s"] > 0
+
+
+def test_restored_tensors_are_owned_unless_a_view_is_asked_for(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon()
+    sock = shm_root / "daemon.sock"
+    ck = Checkpointer("job", socket_path=sock)
+    ck.save(3, _state(3))
+    ck.close()
+    owned = Checkpointer("job", socket_path=sock).restore()
+    view = Checkpointer("job", socket_path=sock).restore(view=True)
+    assert owned is not None and view is not None and _equal(view.state, _state(3))
+    (slot,) = [v["slot"] for v in httpx.get(daemon.url + "/v1/state").json()["roles"][0]["versions"]]
+    with open(shm_root / slot, "r+b") as f:  # the slot is reused by later saves
+        f.write(b"\0" * 1024)
+    assert _equal(owned.state, _state(3))  # an owned restore never sees slot reuse
+    assert not _equal(view.state["model"], _state(3)["model"])  # a view does: documented contract
