@@ -109,10 +109,14 @@ class ControlServer:
             conn.writing.discard((job, role, slot))
             return {"ok": True, "checksum": version.checksum}
         if op == "restorable":
-            return {"ok": True, **(await self.state.restorable(_name(msg["job"])))}
+            below = msg.get("below")
+            found = await self.state.restorable(_name(msg["job"]), bool(msg.get("verify", True)), None if below is None else int(below))
+            return {"ok": True, **found}
+        if op == "verify":
+            return {"ok": True, "intact": await self.state.verify(_name(msg["job"]), int(msg["step"]))}
         if op == "ping":
             return {"ok": True}
-        raise ValueError(f"unknown op {op!r}; expected open, get, alloc, begin, commit, restorable or ping")
+        raise ValueError(f"unknown op {op!r}; expected open, get, alloc, begin, commit, restorable, verify or ping")
 
 
 class _Conn:

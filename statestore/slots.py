@@ -204,8 +204,20 @@ class SlotStore:
     def verify(self, version: Version) -> bool:
         return checksum(memoryview(self.mapped(version.path))[: version.nbytes]) == version.checksum
 
-    async def restorable(self, job: str) -> tuple[int | None, dict[str, Version]]:
-        """Newest step committed, and intact, for every role of ``job`` known here."""
+    async def verify_step(self, versions: dict[str, Version]) -> bool:
+        """Whether every shard in ``versions`` still matches its checksum (roles in parallel)."""
+        results = await asyncio.gather(*(asyncio.to_thread(self.verify, v) for v in versions.values()))
+        return all(results)
+
+    def versions_at(self, job: str, step: int) -> dict[str, Version]:
+        return {r: rs.versions[step] for (j, r), rs in self.roles.items() if j == job and step in rs.versions}
+
+    async def restorable(self, job: str, verify: bool = True, below: int | None = None) -> tuple[int | None, dict[str, Version]]:
+        """Newest step (< ``below``) committed, and intact, for every role of ``job`` known here.
+
+        With ``verify=False`` the checksums are left to a ``verify_step`` call, so a restoring
+        worker can copy while the daemon verifies (restore ≈ max(copy, verify), not the sum).
+        """
         roles = {r: rs for (j, r), rs in self.roles.items() if j == job}
         expected = set(roles)
         for rs in roles.values():  # a role's layout names its peers, even those never seen here
@@ -214,9 +226,11 @@ class SlotStore:
         if not roles or expected - set(roles) or any(not rs.versions for rs in roles.values()):
             return None, {}
         common = set.intersection(*(set(rs.versions) for rs in roles.values()))
-        for step in sorted(common, reverse=True):
+        for step in sorted((s for s in common if below is None or s < below), reverse=True):
             chosen = {r: rs.versions[step] for r, rs in roles.items()}
-            intact = await asyncio.to_thread(lambda: all(self.verify(v) for v in chosen.values()))
+            if not verify:
+                return step, chosen
+            intact = await self.verify_step(chosen)
             if intact:
                 return step, chosen
             log.warning("corrupt shard: trying an older step", extra={"job": job, "step": step})

@@ -58,8 +58,12 @@ class StateService:
             if not self._pinned[v.path]:
                 del self._pinned[v.path]
 
-    async def restorable(self, job: str) -> dict[str, Any]:
-        step, versions = await self.slots.restorable(job)
+    async def verify(self, job: str, step: int) -> bool:
+        versions = self.slots.versions_at(job, step)
+        return bool(versions) and await self.slots.verify_step(versions)
+
+    async def restorable(self, job: str, verify: bool = True, below: int | None = None) -> dict[str, Any]:
+        step, versions = await self.slots.restorable(job, verify, below)
         if step is not None:
             shards = {
                 role: {"path": str(self.root / v.path), "offset": 0, "nbytes": v.nbytes, "checksum": v.checksum, "header": v.header}

@@ -186,10 +186,21 @@ class Checkpointer:
           Read-only by contract and valid only until this role's second save after the restore:
           the slot they map is then reused (a write to them stays private, copy-on-write).
         """
-        found = self._restorable()
-        if found is None:
-            return None
-        step, source, shards = found
+        below: int | None = None
+        while True:
+            found = self._restorable(below)
+            if found is None:
+                return None
+            step, source, shards = found
+            # the daemon checks the checksums of every role's shard while we copy ours
+            intact = self._pool.submit(self._call, op="verify", job=self.job, step=step) if source == "memory" else None
+            restored = self._load(step, source, shards, into, view)
+            if intact is None or intact.result(timeout=self.timeout_s)["intact"]:
+                return restored
+            log.warning("step %d failed its checksum on some role; restoring an older step", step, extra={"job": self.job, "role": self.role})
+            below = step
+
+    def _load(self, step: int, source: str, shards: dict[str, Any], into: Any, view: bool) -> Restored:
         me = shards.get(self.role)
         if me is None:
             raise NotFoundError(f"step {step} has no shard for role {self.role}; roles present: {sorted(shards)}")
@@ -214,9 +225,9 @@ class Checkpointer:
         state = decode(header, storages, into)
         return Restored(step, state, source)
 
-    def _restorable(self) -> tuple[int, str, dict[str, Any]] | None:
+    def _restorable(self, below: int | None) -> tuple[int, str, dict[str, Any]] | None:
         try:
-            reply = self._call(op="restorable", job=self.job)
+            reply = self._call(op="restorable", job=self.job, verify=False, below=below)
         except FFPlaneError as exc:
             if self.durable_dir is None:
                 raise

@@ -17,3 +17,20 @@ def test_data_path_smoke(tmp_path: Path) -> None:
     for name in ("memcpy_gbps", "loopback_tcp_gbps", "node_cache_read_gbps", "end_to_end_gbps", "torch_dataloader_local_gbps"):
         assert saved["figures"][name]["median"] > 0, name
     assert set(out["targets"]) >= {"node_cache_read_vs_memcpy", "end_to_end_vs_loopback_tcp"}
+
+
+def test_checkpoint_smoke(tmp_path: Path) -> None:
+    from bench import checkpoint
+
+    out = checkpoint.main(["--sizes-mb", "4", "--repeats", "1", "--no-dlrover", "--results-dir", str(tmp_path), "--out", "ck"])
+    fig = out["figures"]["4MiB"]
+    for name in ("save_block_s", "memcpy_s", "torch_save_shm_s", "torch_save_disk_s", "dcp_async_save_block_s", "restore_s", "torch_load_shm_s"):
+        assert fig[name]["median"] > 0, name
+    assert (tmp_path / "ck.json").exists()
+
+
+def test_overhead_smoke(tmp_path: Path) -> None:
+    from bench import overhead
+
+    out = overhead.main(["--repeats", "1", "--steps", "2", "--batch", "32", "--results-dir", str(tmp_path), "--out", "oh"])
+    assert out["targets"]["overhead_ratio"]["ratio"] > 0
