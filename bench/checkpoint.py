@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (work / "data").mkdir()
         with LocalCluster(work, work / "data", secrets.token_hex(16)) as cluster:
             cluster.start_dataserver("--log-level", "warning")
-            budget_mb = 3 * max(sizes) * 11 // 10 >> 20
+            budget_mb = 3 * sum(sizes) * 11 // 10 >> 20  # every size's job keeps its slots
             cluster.start_daemon("--log-level", "warning", budget_mb=max(budget_mb, 256))
             for size in sizes:
                 name = f"{size >> 20}MiB"

@@ -10,6 +10,7 @@ Measured in one run, on one dataset of tokenised text (rows of ``--seq`` int32 t
 * ``loopback_tcp_gbps`` — one Python TCP connection on 127.0.0.1 between two processes;
 * ``node_cache_read_gbps`` — the DataLoader reading steps already in the node daemon's cache,
   every byte copied into a preallocated training buffer (so zero-copy views are not free);
+* ``control_rtt_us`` — one worker↔daemon control round trip (Unix socket, JSON line) per batch;
 * ``end_to_end_gbps`` — a fresh job: data server → daemon (HTTP) → DataLoader, same consumer;
 * ``torch_dataloader_local_gbps`` — a plain torch DataLoader over the local Arrow shards
   (best of 0 and 2 workers, both recorded);
@@ -201,7 +202,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             loader.close()
             return nbytes / secs / GB
 
+        def control_rtt_us() -> float:
+            """One worker↔daemon round trip for a step already cached (the per-batch control cost)."""
+            from trainer_client._daemon_client import DaemonClient
+
+            job = f"rtt-{run_id}-{next(runs)}"
+            _create_job(ds.url, token, job, args.batch, 2, seed=0)
+            client = DaemonClient(cluster.socket(), 60)
+            client.call(op="open", job=job, dp_rank=0, token=token)
+            client.call(op="get", step=0)
+            t = time.perf_counter()
+            for _ in range(500):
+                client.call(op="get", step=0)
+            elapsed = time.perf_counter() - t
+            client.close()
+            return elapsed / 500 * 1e6
+
         figures["node_cache_read_gbps"] = repeat(cached_read, args.repeats)
+        figures["control_rtt_us"] = repeat(control_rtt_us, args.repeats)
         figures["end_to_end_gbps"] = repeat(end_to_end, args.repeats)
 
     from bench import _data_baselines as peers
@@ -240,12 +258,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("loopback_tcp_gbps", f["loopback_tcp_gbps"], "(machine limit)"),
         ("node_cache_read_gbps", f["node_cache_read_gbps"], f"{ratio(f['node_cache_read_gbps'], base):.2f} x memcpy (target >= 0.5)"),
         ("end_to_end_gbps", f["end_to_end_gbps"], f"{ratio(f['end_to_end_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (target >= 0.7)"),
+        ("control_rtt_us (microseconds)", f["control_rtt_us"], "per batch, worker <-> daemon, Unix socket"),
         *[(k, v, "(baseline)") for k, v in f.items() if k.startswith("torch_dataloader_local_") and "w_" in k],
         *([("mosaic_streaming_gbps", f["mosaic_streaming_gbps"], "(baseline)")] if "mosaic_streaming_gbps" in f else []),
     ], "GB/s")
     for name, c in checks.items():
         print(f"  {name:34s} {c['ratio']:7.2f}   target {c['target']}")
-    bar_chart(args.results_dir / f"{args.out}.png", [(k, v) for k, v in f.items() if k != "torch_dataloader_local_gbps"], "GB/s (median, min-max)", "ffplane data path vs machine limits and peers")
+    bar_chart(args.results_dir / f"{args.out}.png", [(k, v) for k, v in f.items() if k.endswith("_gbps") and k != "torch_dataloader_local_gbps"], "GB/s (median, min-max)", "ffplane data path vs machine limits and peers")
     print(f"wrote {out}")
     return {"figures": figures, "targets": checks}
 

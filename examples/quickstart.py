@@ -4,7 +4,8 @@
 
 Generates a small tokenised dataset, ingests it, starts the data server and a node daemon as
 real processes, trains a tiny next-token model for a few dozen steps reading every batch through
-the daemon's shared-memory cache, prints what the daemon holds, and cleans everything up.
+the daemon's shared-memory cache and checkpointing after every step into the daemon's state slots,
+restores the last checkpoint as a restarted worker would, and cleans everything up.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pyarrow.parquet as pq
 import torch
 
 from dataserver.ingest import IngestConfig, ingest
-from trainer_client import DataLoader
+from trainer_client import Checkpointer, DataLoader
 from trainer_client.local_cluster import LocalCluster
 
 VOCAB, SEQ, ROWS, STEPS = 512, 64, 4096, 40
@@ -53,15 +54,24 @@ def main() -> None:
             model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 64), torch.nn.Linear(64, VOCAB))
             opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
             loader = DataLoader("quickstart", 0, dataserver=ds.url, token=token, socket_path=cluster.socket())
+            ckpt = Checkpointer("quickstart", socket_path=cluster.socket())
             for step, batch in enumerate(loader):
                 x = batch["tokens"].long()
                 loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
+                ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "loader": loader.state_dict()})
                 if step % 10 == 0 or step == STEPS - 1:
                     print(f"step {step:3d}  loss {loss.item():.3f}  (batch from {loader.source})")
             loader.close()
+            ckpt.close()
+            restored = Checkpointer("quickstart", socket_path=cluster.socket()).restore()  # as a restarted worker
+            assert restored is not None
+            same = all(torch.equal(a, b) for a, b in zip(restored.state["model"].values(), model.state_dict().values()))
+            print(f"restored step {restored.step} from {restored.source}: weights identical: {same}; "
+                  f"next batch would be step {restored.state['loader']['next_step']} "
+                  f"(save blocked {ckpt.last_save_block_s * 1e3:.2f} ms)")
             cache = json.loads(urllib.request.urlopen(daemon.url + "/v1/cache").read())
             s = cache["streams"][0]
             print(f"daemon cache: steps {s['steps']} hits {s['hits']} misses {s['misses']} fetched {s['fetched']}")

@@ -1,7 +1,8 @@
-"""ffplane node daemon: shared-memory data cache (and, later, state slots), ops HTTP API."""
+"""ffplane node daemon: shared-memory data cache, state slots, durable tier, ops HTTP API."""
 
 from statestore.config import DaemonConfig
 from statestore.daemon import Daemon, create_app
 from statestore.shm import ShmError
+from statestore.slots import SlotError
 
-__all__ = sorted(["DaemonConfig", "Daemon", "ShmError", "create_app"])
+__all__ = sorted(["DaemonConfig", "Daemon", "ShmError", "SlotError", "create_app"])

@@ -132,8 +132,8 @@ def create_app(daemon: Daemon) -> FastAPI:
     @app.get("/metrics")
     def metrics() -> Response:
         nonlocal registry
-        assert daemon.cache is not None
-        registry = registry or registry_for(daemon.cache)
+        assert daemon.cache is not None and daemon.state is not None
+        registry = registry or registry_for(daemon.cache, daemon.state.slots)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

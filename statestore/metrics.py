@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from statestore.data_cache import DataCache
+from statestore.slots import SlotStore
 
 
 class _CacheCollector:
@@ -40,7 +41,34 @@ class _CacheCollector:
         yield GaugeMetricFamily("ffplane_cache_budget_bytes", "Configured shared-memory budget", value=self.cache.config.budget_bytes)
 
 
-def registry_for(cache: DataCache) -> CollectorRegistry:
+class _StateCollector:
+    def __init__(self, slots: SlotStore) -> None:
+        self.slots = slots
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["job", "role"]
+        fams = {
+            "slot": GaugeMetricFamily("ffplane_state_slot_bytes", "Bytes reserved per slot", labels=labels),
+            "versions": GaugeMetricFamily("ffplane_state_committed_versions", "Committed versions held", labels=labels),
+            "step": GaugeMetricFamily("ffplane_state_newest_step", "Newest committed step", labels=labels),
+            "shard": GaugeMetricFamily("ffplane_state_shard_bytes", "Bytes of the newest shard (after the razor)", labels=labels),
+            "block": GaugeMetricFamily("ffplane_state_save_block_seconds", "Blocking part of the newest save", labels=labels),
+            "commit": GaugeMetricFamily("ffplane_state_commit_seconds", "Checksum + index of the newest commit", labels=labels),
+        }
+        for rs in list(self.slots.roles.values()):
+            lv = [rs.job, rs.role]
+            fams["slot"].add_metric(lv, rs.size)
+            fams["versions"].add_metric(lv, len(rs.versions))
+            for v in rs.newest(1):
+                fams["step"].add_metric(lv, v.step)
+                fams["shard"].add_metric(lv, v.nbytes)
+                fams["block"].add_metric(lv, v.save_block_s)
+                fams["commit"].add_metric(lv, v.commit_s)
+        yield from fams.values()
+
+
+def registry_for(cache: DataCache, slots: SlotStore) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(_CacheCollector(cache))
+    registry.register(_StateCollector(slots))
     return registry

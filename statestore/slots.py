@@ -162,7 +162,7 @@ class SlotStore:
         """Pick the slot for ``step``: neither of the two newest committed versions nor in use."""
         rs = self.roles.get((job, role))
         if rs is None or not rs.paths:
-            raise SlotError(f"role {role} of job {job} has no slots; send 'alloc' first")
+            raise SlotError(f"role {role} of job {job} has no slots; send 'alloc' first", 412)
         keep = {v.path for v in rs.newest()}
         free = [p for p in rs.paths if p not in keep and p not in rs.writing and p not in exclude]
         if not free:

@@ -3,9 +3,8 @@
 from trainer_client.batches import Batch
 from trainer_client.checkpointer import Checkpointer, Restored
 from trainer_client.dataloader import DataLoader
-from trainer_client.razor import Layout
-from trainer_client.state_codec import StateError
 from trainer_client.errors import (
+    CapacityError,
     CorruptError,
     FFPlaneError,
     FFTimeoutError,
@@ -13,10 +12,13 @@ from trainer_client.errors import (
     TransportError,
     UnauthorisedError,
 )
+from trainer_client.razor import Layout
+from trainer_client.state_codec import StateError
 
 __all__ = sorted(
     [
         "Batch",
+        "CapacityError",
         "Checkpointer",
         "Layout",
         "Restored",

@@ -23,9 +23,10 @@ from typing import Any, Literal
 
 import torch
 
+from trainer_client._copy import copy_all
 from trainer_client._daemon_client import DaemonClient
 from trainer_client.dataloader import DEFAULT_SOCKET, SOCKET_ENV
-from trainer_client.errors import CorruptError, FFPlaneError, NotFoundError
+from trainer_client.errors import CorruptError, FFPlaneError, NotFoundError, TransportError
 from trainer_client.pagemap import populate_read
 from trainer_client.razor import Layout, slice_of
 from trainer_client.state_codec import decode, encode
@@ -77,9 +78,11 @@ class Checkpointer:
         durable_dir: str | os.PathLike[str] | None = None,
         on_busy: Literal["wait", "skip"] = "wait",
         timeout_s: float = 120.0,
+        copy_threads: int | None = None,
     ) -> None:
         """``private_keys``: top-level state keys that are *not* replicated across the dp group
-        (e.g. ``("optim",)`` with a ZeRO-sharded optimizer); everything else is razored."""
+        (e.g. ``("optim",)`` with a ZeRO-sharded optimizer); everything else is razored.
+        ``copy_threads``: threads for the blocking copy (default: cores, at most 4)."""
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
         self.job = job
@@ -89,6 +92,8 @@ class Checkpointer:
         self.durable_dir = Path(durable_dir) if durable_dir else None
         self.on_busy = on_busy
         self.timeout_s = timeout_s
+        self.copy_threads = max(1, copy_threads or min(4, os.cpu_count() or 1))
+        self._copiers: ThreadPoolExecutor | None = None
         self._client: DaemonClient | None = None
         self._lock = threading.Lock()  # one request at a time on the daemon connection
         self._slots: dict[str, _Slot] = {}
@@ -104,9 +109,18 @@ class Checkpointer:
 
     def _call(self, **msg: Any) -> dict[str, Any]:
         with self._lock:
-            if self._client is None:
-                self._client = DaemonClient(self.socket_path, self.timeout_s)
-            return self._client.call(**msg)
+            for attempt in (0, 1):
+                if self._client is None:
+                    self._client = DaemonClient(self.socket_path, self.timeout_s)
+                try:
+                    return self._client.call(**msg)
+                except TransportError:
+                    # the daemon restarted (it reattaches slots and versions): reconnect once
+                    self._client.close()
+                    self._client = None
+                    if attempt or msg.get("op") == "commit":
+                        raise
+            raise AssertionError("unreachable")
 
     # --- save ----------------------------------------------------------------------------
     def save(self, step: int, state: Any) -> bool:
@@ -125,15 +139,25 @@ class Checkpointer:
         nbytes = private + hi - lo
         if nbytes > self._slot_size or not self._slots:
             self._allocate(nbytes)
-        slot = self._begin(step)
+        try:
+            slot = self._begin(step)
+        except FFPlaneError as exc:
+            if getattr(exc, "status", None) != 412:
+                raise
+            self._allocate(nbytes)  # the daemon lost our slots (a new node, a wiped tmpfs)
+            slot = self._begin(step)
+        if slot["path"] not in self._slots:
+            self._allocate(nbytes)
         dst = self._slots[slot["path"]].tensor
+        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for entry, src in zip(enc.storages, enc.sources):
             if entry.stream == "private":
-                dst[entry.offset : entry.offset + entry.nbytes].copy_(src)
+                jobs.append((dst[entry.offset : entry.offset + entry.nbytes], src))
                 continue
             a, b = max(entry.offset, lo), min(entry.offset + entry.nbytes, hi)
             if a < b:  # the part of this storage inside this rank's slice
-                dst[private + a - lo : private + b - lo].copy_(src[a - entry.offset : b - entry.offset])
+                jobs.append((dst[private + a - lo : private + b - lo], src[a - entry.offset : b - entry.offset]))
+        copy_all(jobs, self._copiers_pool(), self.copy_threads)
         self.last_save_block_s = time.perf_counter() - started
         header = enc.header() | {
             "role": self.role,
@@ -146,6 +170,13 @@ class Checkpointer:
         self._inflight = self._pool.submit(self._commit, step, slot["slot"], nbytes, header, self.last_save_block_s)
         self.saves += 1
         return True
+
+    def _copiers_pool(self) -> ThreadPoolExecutor | None:
+        if self.copy_threads < 2:
+            return None
+        if self._copiers is None:
+            self._copiers = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix=f"ffplane-copy-{self.role}")
+        return self._copiers
 
     def _allocate(self, nbytes: int) -> None:
         reply = self._call(op="alloc", job=self.job, role=self.role, nbytes=nbytes)
@@ -160,12 +191,18 @@ class Checkpointer:
             try:
                 return self._call(op="begin", job=self.job, role=self.role, step=step)
             except FFPlaneError as exc:  # 409: a durable copy still holds the free slot
-                if "no free slot" not in str(exc) or time.monotonic() > deadline:
+                if getattr(exc, "status", None) != 409 or time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
 
     def _commit(self, step: int, slot: str, nbytes: int, header: dict[str, Any], block_s: float) -> str:
-        reply = self._call(op="commit", job=self.job, role=self.role, step=step, slot=slot, nbytes=nbytes, header=header, save_block_s=block_s)
+        try:
+            reply = self._call(op="commit", job=self.job, role=self.role, step=step, slot=slot, nbytes=nbytes, header=header, save_block_s=block_s)
+        except TransportError as exc:
+            # The daemon died mid-commit: this step is not committed (the previous ones are,
+            # and survive in shared memory); the next save goes to the restarted daemon.
+            log.warning("step %d not committed: %s", step, exc, extra={"job": self.job, "role": self.role, "step": step})
+            return ""
         return str(reply["checksum"])
 
     def wait(self) -> None:
@@ -222,7 +259,8 @@ class Checkpointer:
                 storages.append(_assemble(off, n, pieces, step))  # already a fresh buffer
                 continue
             storages.append(mapped.clone() if owned else mapped)
-        state = decode(header, storages, into)
+        pool = self._copiers_pool()
+        state = decode(header, storages, into, copy=lambda pairs: copy_all(pairs, pool, self.copy_threads))
         return Restored(step, state, source)
 
     def _restorable(self, below: int | None) -> tuple[int, str, dict[str, Any]] | None:
@@ -246,6 +284,9 @@ class Checkpointer:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            if self._copiers is not None:
+                self._copiers.shutdown(wait=True)
+                self._copiers = None
             for s in self._slots.values():
                 s.close()
             self._slots = {}

@@ -27,14 +27,24 @@ class UnauthorisedError(FFPlaneError):
     """The bearer token is missing or wrong (HTTP 401)."""
 
 
+class CapacityError(FFPlaneError):
+    """The daemon's memory budget (or the tmpfs) cannot hold what was asked (HTTP-like 507)."""
+
+
 def for_status(status: int, message: str) -> FFPlaneError:
-    """The exception matching an HTTP-like status."""
+    """The exception matching an HTTP-like status (kept as ``.status``)."""
+    err: FFPlaneError
     if status == 401:
-        return UnauthorisedError(f"{message} (set FFPLANE_TOKEN to the job's token)")
-    if status in (404, 416):
-        return NotFoundError(message)
-    if status == 504:
-        return FFTimeoutError(message)
-    if 400 <= status < 500:
-        return FFPlaneError(message)
-    return TransportError(message)
+        err = UnauthorisedError(f"{message} (set FFPLANE_TOKEN to the job's token)")
+    elif status in (404, 416):
+        err = NotFoundError(message)
+    elif status == 507:
+        err = CapacityError(message)
+    elif status == 504:
+        err = FFTimeoutError(message)
+    elif 400 <= status < 500:
+        err = FFPlaneError(message)
+    else:
+        err = TransportError(message)
+    err.status = status  # type: ignore[attr-defined]
+    return err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -131,13 +132,15 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset()) -> Encoded:
     return enc
 
 
-def decode(header: dict[str, Any], storages: list[torch.Tensor], into: Any = None) -> Any:
+def decode(header: dict[str, Any], storages: list[torch.Tensor], into: Any = None, copy: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None) -> Any:
     """Rebuild the state from ``storages`` (uint8 tensors, one per storage entry).
 
     With ``into`` (a state of the same structure), every tensor is copied into the caller's
     existing tensor and ``into`` is returned updated; otherwise tensors view ``storages``.
+    ``copy`` runs the (destination, source) copies for ``into`` (default: one after another).
     """
     refs = [TensorRef(**t) for t in header["tensors"]]
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def view(i: int) -> torch.Tensor:
         r = refs[i]
@@ -155,8 +158,7 @@ def decode(header: dict[str, Any], storages: list[torch.Tensor], into: Any = Non
                     return src
                 if not isinstance(target, torch.Tensor) or target.shape != src.shape or target.dtype != src.dtype:
                     raise StateError(f"into{_key(path)}: expected a {src.dtype} tensor of shape {tuple(src.shape)}, got {target!r:.80}")
-                with torch.no_grad():
-                    target.copy_(src)
+                pending.append((target, src))
                 return target
             if "__tuple__" in node:
                 return tuple(build(v, None, (*path, i)) for i, v in enumerate(node["__tuple__"]))
@@ -176,4 +178,11 @@ def decode(header: dict[str, Any], storages: list[torch.Tensor], into: Any = Non
             return items
         return node
 
-    return build(header["tree"], into, ())
+    out = build(header["tree"], into, ())
+    with torch.no_grad():
+        if copy is not None:
+            copy(pending)
+        else:
+            for d, s in pending:
+                d.copy_(s)
+    return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests._servers import TOKEN, Proc
-from trainer_client import Checkpointer, FFPlaneError, Layout
+from trainer_client import CapacityError, Checkpointer, Layout
 
 
 def _state(step: int, seed: int = 0) -> dict[str, object]:
@@ -131,16 +131,21 @@ def test_daemon_sigkilled_and_restarted_serves_every_committed_version(start_dae
     assert key(after) == key(before) and len(key(after)) == 4
     got = Checkpointer("job", Layout(dp=2, dp_rank=0), socket_path=sock).restore()
     assert got is not None and got.step == 21 and _equal(got.state, _state(21))
-    # and saving continues into the reattached slots
-    ck = Checkpointer("job", Layout(dp=2, dp_rank=0), socket_path=sock)
-    ck.save(22, _state(22))
-    ck.close()
+    # a live Checkpointer reconnects to the restarted daemon and saves into the reattached slots
+    live = Checkpointer("job", Layout(dp=2, dp_rank=0), socket_path=sock)
+    live.save(22, _state(22))
+    live.wait()
+    restarted.kill(signal.SIGKILL)
+    third = start_daemon()
+    live.save(23, _state(23))
+    live.close()
+    assert [v["step"] for r in httpx.get(third.url + "/v1/state").json()["roles"] if r["role"] == "dp0-pp0-tp0" for v in r["versions"]] == [23, 22]
 
 
 def test_state_that_cannot_fit_fails_at_the_first_save(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     start_daemon()  # 256 MiB budget (see conftest)
     ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
-    with pytest.raises(FFPlaneError, match=r"needs 3 slots x 128.0 MiB .* raise the daemon's --budget-mb"):
+    with pytest.raises(CapacityError, match=r"needs 3 slots x 128.0 MiB .* raise the daemon's --budget-mb"):
         ck.save(0, {"w": torch.zeros(32 << 20)})  # 128 MiB x 3 slots > 256 MiB
     ck.close()
     assert not list((shm_root / "job" / "state").rglob("*.bin")) if (shm_root / "job" / "state").exists() else True
@@ -160,6 +165,7 @@ def test_shard_bytes_need_the_token(start_daemon: Callable[..., Proc], shm_root:
     assert xxhash.xxh3_64_hexdigest(r.content) == r.headers["x-ffplane-checksum"]
     assert httpx.get(daemon.url + "/v1/state/job/dp0-pp0-tp0/99/shard", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
     assert json.loads(httpx.get(daemon.url + "/v1/state").text)["roles"][0]["versions"][0]["save_block_s"] > 0
+    assert 'ffplane_state_newest_step{job="job",role="dp0-pp0-tp0"} 1.0' in httpx.get(daemon.url + "/metrics").text
 
 
 def test_restored_tensors_are_owned_unless_a_view_is_asked_for(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
@@ -176,3 +182,27 @@ def test_restored_tensors_are_owned_unless_a_view_is_asked_for(start_daemon: Cal
         f.write(b"\0" * 1024)
     assert _equal(owned.state, _state(3))  # an owned restore never sees slot reuse
     assert not _equal(view.state["model"], _state(3)["model"])  # a view does: documented contract
+
+
+def test_large_state_copied_by_several_threads_round_trips(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    start_daemon()
+    g = torch.Generator().manual_seed(3)
+    big = {"a": torch.randn(3_000_001, generator=g), "b": torch.randn(1_234_567, generator=g).to(torch.bfloat16), "c": torch.arange(2_000_003)}
+    cks = [Checkpointer("big", Layout(dp=2, dp_rank=r), socket_path=shm_root / "daemon.sock", copy_threads=3) for r in range(2)]
+    for ck in cks:
+        ck.save(1, big)
+        ck.close()
+    got = Checkpointer("big", Layout(dp=2, dp_rank=1), socket_path=shm_root / "daemon.sock").restore()
+    assert got is not None and _equal(got.state, big)
+
+
+def test_restore_into_live_parameters(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    start_daemon()
+    src = torch.nn.Linear(2048, 2048)  # 16 MiB: the multi-threaded copy path
+    ck = Checkpointer("params", socket_path=shm_root / "daemon.sock")
+    ck.save(0, {"model": src.state_dict()})
+    ck.close()
+    dst = torch.nn.Linear(2048, 2048)
+    live = {"model": dict(dst.named_parameters())}  # Parameters that require grad
+    got = Checkpointer("params", socket_path=shm_root / "daemon.sock").restore(into=live)
+    assert got is not None and torch.equal(dst.weight, src.weight) and dst.weight.requires_grad

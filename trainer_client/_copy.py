@@ -1,0 +1,60 @@
+"""Copying many tensors with several threads: the caller waits anyway, so the cores may as well help.
+
+One core's copy bandwidth is about half of what two reach here (512 MiB: 80 ms on one thread,
+43 ms on two); torch releases the GIL inside ``copy_``. Contiguous pairs of equal dtype are cut
+into equal byte ranges across threads; anything else is handed out whole.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+PARALLEL_MIN_BYTES = 8 << 20  # below this, handing work to threads costs more than it saves
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source)
+
+
+def _flat(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if d.dtype != s.dtype or not (d.is_contiguous() and s.is_contiguous()) or d.shape != s.shape:
+        return None
+    return d.detach().reshape(-1).view(torch.uint8), s.detach().reshape(-1).view(torch.uint8)
+
+
+def copy_all(pairs: Pairs, pool: ThreadPoolExecutor | None, parts: int) -> None:
+    """``d.copy_(s)`` for every pair; with ``pool`` and enough bytes, over ``parts`` threads."""
+    total = sum(d.numel() * d.element_size() for d, _ in pairs)
+    if pool is None or parts < 2 or total < PARALLEL_MIN_BYTES:
+        _run(pairs)
+        return
+    chunks: list[Pairs] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    share = -(-total // parts)
+    k = 0
+    for d, s in pairs:
+        flat = _flat(d, s) if d.dim() > 0 else None
+        if flat is None:  # strided or converting: give it whole to the least-loaded thread
+            i = loads.index(min(loads))
+            chunks[i].append((d, s))
+            loads[i] += d.numel() * d.element_size()
+            continue
+        fd, fs = flat
+        at = 0
+        while at < fd.numel():
+            if loads[k] >= share and k < parts - 1:
+                k += 1
+            n = fd.numel() - at if k == parts - 1 else min(share - loads[k], fd.numel() - at)
+            chunks[k].append((fd[at : at + n], fs[at : at + n]))
+            loads[k] += n
+            at += n
+
+    futures = [pool.submit(_run, c) for c in chunks[1:] if c]
+    _run(chunks[0])
+    for f in futures:
+        f.result()
+
+
+def _run(pairs: Pairs) -> None:
+    with torch.no_grad():  # grad mode is per thread: a restore may write into parameters
+        for d, s in pairs:
+            d.copy_(s)
