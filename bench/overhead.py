@@ -89,11 +89,11 @@ def run_mode(mode: str, loop: Loop, steps: int, work: Path, socket: Path, job: s
         elif mode == "dcp_async":
             if pending is not None:
                 pending.result()
-            pending = dcp.async_save(loop.state(i), checkpoint_id=str(work / f"dcp-{i}"))
+            pending = dcp.async_save(loop.state(i), checkpoint_id=str(work / f"dcp-{job}-{i}"))
         if i >= first_step + 2:
             times.append(time.perf_counter() - t)
             if mode == "dcp_async":
-                shutil.rmtree(work / f"dcp-{i - 2}", ignore_errors=True)
+                shutil.rmtree(work / f"dcp-{job}-{i - 2}", ignore_errors=True)
     if pending is not None:
         pending.result()
     if ck is not None:

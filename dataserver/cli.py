@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from dataserver.app import create_app
-    from dataserver.httpserver import load_token, serve, setup_logging
+    from dataserver.httpserver import die_with_parent_if_asked, load_token, serve, setup_logging
 
+    die_with_parent_if_asked()
     cfg_s = ServeConfig(
         data_dir=args.data_dir,
         host=args.host,

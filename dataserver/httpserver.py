@@ -7,9 +7,11 @@ the process, then serve until SIGTERM/SIGINT with uvicorn's graceful shutdown.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
 import secrets
 import socket
 import sys
@@ -21,6 +23,7 @@ import uvicorn
 from fastapi import HTTPException, Request
 
 TOKEN_ENV = "FFPLANE_TOKEN"
+DIE_WITH_PARENT_ENV = "FFPLANE_DIE_WITH_PARENT"
 TOKEN_FILE_ENV = "FFPLANE_TOKEN_FILE"
 
 
@@ -40,6 +43,20 @@ class JsonLogFormatter(logging.Formatter):
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
+
+
+def die_with_parent_if_asked() -> None:
+    """With ``$FFPLANE_DIE_WITH_PARENT=1`` (set by test and benchmark launchers): SIGTERM this
+    server when the process that started it dies, even by SIGKILL, so nothing is orphaned."""
+    if os.environ.get(DIE_WITH_PARENT_ENV) != "1":
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        raise SystemExit("parent exited before start-up")
 
 
 def setup_logging(level: str = "info") -> None:

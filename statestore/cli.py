@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from dataserver.httpserver import load_token, serve, setup_logging
+    from dataserver.httpserver import die_with_parent_if_asked, load_token, serve, setup_logging
     from statestore.daemon import Daemon, create_app
     from statestore.shm import ShmError
 
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         ready_file=args.ready_file,
         log_level=args.log_level,
     )
+    die_with_parent_if_asked()
     setup_logging(cfg.log_level)
     try:
         daemon = Daemon(cfg, load_token(cfg.token_file))

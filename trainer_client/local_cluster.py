@@ -16,6 +16,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from dataserver.httpserver import DIE_WITH_PARENT_ENV
+
 
 
 @dataclass
@@ -55,7 +57,7 @@ def start(module: str, args: list[str], workdir: Path, name: str, token: str, en
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--ready-file", str(ready_file)],
-            stdout=log, stderr=subprocess.STDOUT, env=full_env,
+            stdout=log, stderr=subprocess.STDOUT, env={**full_env, DIE_WITH_PARENT_ENV: "1"},
         )
     deadline = time.monotonic() + timeout_s
     proc: Proc | None = None
