@@ -13,10 +13,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dataserver.httpserver import DIE_WITH_PARENT_ENV
+from trainer_client.netns import Netns
 
 
 
@@ -48,15 +50,21 @@ class Proc:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def start(module: str, args: list[str], workdir: Path, name: str, token: str, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> Proc:
-    """Run ``python -m module args... --ready-file F`` and wait until it is listening."""
+def start(
+    module: str, args: list[str], workdir: Path, name: str, token: str, env: dict[str, str] | None = None,
+    timeout_s: float = 30.0, wrap: Callable[[list[str]], list[str]] | None = None,
+) -> Proc:
+    """Run ``python -m module args... --ready-file F`` and wait until it is listening.
+
+    ``wrap`` rewrites the command line, e.g. to run it inside a network namespace."""
     ready_file = workdir / f"{name}.ready"
     ready_file.unlink(missing_ok=True)
     log_path = workdir / f"{name}.log"
     full_env = {**os.environ, "FFPLANE_TOKEN": token, **(env or {})}
     with open(log_path, "ab") as log:
+        argv = [sys.executable, "-m", module, *args, "--ready-file", str(ready_file)]
         popen = subprocess.Popen(
-            [sys.executable, "-m", module, *args, "--ready-file", str(ready_file)],
+            wrap(argv) if wrap else argv,
             stdout=log, stderr=subprocess.STDOUT, env={**full_env, DIE_WITH_PARENT_ENV: "1"},
         )
     deadline = time.monotonic() + timeout_s
@@ -79,33 +87,54 @@ def start(module: str, args: list[str], workdir: Path, name: str, token: str, en
 
 
 class LocalCluster:
-    """A data server and node daemons on this machine, for trying ffplane and for benchmarks.
+    """A data server and node daemons on this machine, for trying ffplane, benchmarks and tests.
 
-    Every process is ended by PID and every shared-memory root removed by ``close()``.
+    Plain mode: every process on 127.0.0.1. With ``net`` (a :class:`trainer_client.netns.Netns`),
+    the data server runs in node 0's namespace and daemon ``i`` in node ``i + 1``'s, each bound
+    to its node's address, so links can be shaped and cut. Every process is ended by PID and
+    every shared-memory root removed by ``close()``.
     """
 
-    def __init__(self, workdir: Path, data_dir: Path, token: str, shm_parent: Path = Path("/dev/shm")) -> None:
+    def __init__(self, workdir: Path, data_dir: Path, token: str, shm_parent: Path = Path("/dev/shm"), net: Netns | None = None) -> None:
         self.workdir, self.data_dir, self.token = workdir, data_dir, token
         self.shm_parent = shm_parent
+        self.net = net
         self.dataserver: Proc | None = None
         self.daemons: list[Proc] = []
         self.roots: list[Path] = []
 
+    def _place(self, node: int) -> tuple[str, Callable[[list[str]], list[str]] | None]:
+        if self.net is None:
+            return "127.0.0.1", None
+        n = self.net.nodes[node]
+        return n.addr, n.exec_argv
+
     def start_dataserver(self, *extra: str) -> Proc:
-        self.dataserver = start("dataserver", ["serve", "--data-dir", str(self.data_dir), "--port", "0", *extra], self.workdir, "dataserver", self.token)
+        host, wrap = self._place(0)
+        args = ["serve", "--data-dir", str(self.data_dir), "--host", host, "--port", "0", *extra]
+        self.dataserver = start("dataserver", args, self.workdir, "dataserver", self.token, wrap=wrap)
         return self.dataserver
 
-    def start_daemon(self, *extra: str, budget_mb: int = 1024) -> Proc:
+    def start_daemon(self, *extra: str, budget_mb: int = 1024, index: int | None = None) -> Proc:
+        """Start daemon ``index`` (default: the next one); restarting an index reuses its root."""
         assert self.dataserver is not None, "start the data server first"
-        root = self.shm_parent / f"ffplane-local-{os.getpid()}-{len(self.daemons)}"
-        self.roots.append(root)
-        args = ["serve", "--dataserver", self.dataserver.url, "--root", str(root), "--port", "0", "--budget-mb", str(budget_mb), *extra]
-        proc = start("statestore", args, self.workdir, f"daemon{len(self.daemons)}", self.token)
+        i = len(self.daemons) if index is None else index
+        root = self.shm_parent / f"ffplane-local-{os.getpid()}-{i}"
+        if root not in self.roots:
+            self.roots.append(root)
+        host, wrap = self._place(i + 1 if self.net else 0)
+        args = ["serve", "--dataserver", self.dataserver.url, "--root", str(root), "--host", host, "--port", "0", "--budget-mb", str(budget_mb), *extra]
+        proc = start("statestore", args, self.workdir, f"daemon{i}-{len(self.daemons)}", self.token, wrap=wrap)
         self.daemons.append(proc)
         return proc
 
     def socket(self, i: int = 0) -> Path:
         return self.roots[i] / "daemon.sock"
+
+    def worker_argv(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` placed on daemon ``i``'s node."""
+        wrap = self._place(i + 1 if self.net else 0)[1]
+        return wrap(argv) if wrap else argv
 
     def close(self) -> None:
         import shutil
