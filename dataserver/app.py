@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, Field
 
 from dataserver.catalog import Catalog, DatasetError
 from dataserver.config import ServeConfig
+from dataserver.coordinator import Coordinator
 from dataserver.httpserver import BearerAuth, load_token
 from dataserver.jobs import Job, JobConflict, JobError, JobRegistry, JobSpec
 from dataserver.planner import Generation
@@ -36,6 +38,15 @@ class GenerationCreate(BaseModel):
     start_step: int = Field(ge=1)
     dp: int = Field(ge=1, le=1 << 20)
     batch_per_rank: int = Field(ge=1, le=1 << 20)
+
+
+class Heartbeat(BaseModel):
+    node_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+    address: str = Field(min_length=1, max_length=256)
+    budget_bytes: int = Field(ge=0)
+    inventory: dict[str, dict[str, list[dict[str, Any]]]] = Field(default_factory=dict)
+    workers: list[dict[str, Any]] = Field(default_factory=list)
+    exited: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class _Metrics:
@@ -65,13 +76,27 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     jobs = JobRegistry(config.resolved_state_dir())
     auth = BearerAuth(token if token is not None else load_token(config.token_file))
     metrics = _Metrics()
-    needs_token = [Depends(auth)]
+    coordinator = Coordinator(config.dead_after_s)
+
+    def bounded(request: Request) -> None:
+        size = int(request.headers.get("content-length") or 0)
+        if size > config.max_body_bytes:
+            raise HTTPException(413, f"request body of {size} bytes exceeds the limit of {config.max_body_bytes}")
+
+    needs_token = [Depends(bounded), Depends(auth)]
+
+    async def sweep() -> None:
+        while True:
+            coordinator.sweep()
+            await asyncio.sleep(config.sweep_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         names = jobs.load(lambda ds: catalog.get(ds).num_samples)
         log.info("dataserver ready", extra={"datasets": catalog.names(), "jobs": names})
+        sweeper = asyncio.create_task(sweep(), name="coordinator sweep")
         yield
+        sweeper.cancel()
         catalog.close()
 
     app = FastAPI(title="ffplane dataserver", version="0.1.0", lifespan=lifespan)
@@ -198,6 +223,20 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             metrics.steps.labels(name).inc(count)
 
         return StreamingResponse(body(), media_type=MEDIA_TYPE, headers=headers)
+
+    @app.post("/v1/nodes/heartbeat", dependencies=needs_token)
+    def heartbeat(body: Heartbeat) -> dict[str, Any]:
+        """A node daemon's heartbeat: registers it, records its shard inventory and workers."""
+        return coordinator.heartbeat(body.node_id, body.address, body.budget_bytes, body.inventory, body.workers, body.exited)
+
+    @app.get("/v1/nodes")
+    def nodes() -> dict[str, Any]:
+        return {"ring": coordinator.ring(), "members": {n: {"address": m.address, "alive": m.alive} for n, m in coordinator.members.items()}}
+
+    @app.get("/v1/jobs/{name}/status")
+    def job_status(name: str) -> dict[str, Any]:
+        """Members, ring, dead nodes, restorable step and per-role shard locations of a job."""
+        return coordinator.status(name)
 
     @app.get("/metrics")
     def prometheus() -> Response:

@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--token-file", default=None, help="job bearer token (else $FFPLANE_TOKEN_FILE or $FFPLANE_TOKEN)")
     srv.add_argument("--ready-file", default=None, help="write {host,port,pid} JSON here once listening")
     srv.add_argument("--max-steps-per-request", type=int, default=d.max_steps_per_request)
+    srv.add_argument("--dead-after-s", type=float, default=d.dead_after_s, help="declare a node dead after this much silence")
     srv.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         token_file=args.token_file,
         ready_file=args.ready_file,
         max_steps_per_request=args.max_steps_per_request,
+        dead_after_s=args.dead_after_s,
         log_level=args.log_level,
     )
     setup_logging(cfg_s.log_level)

@@ -15,6 +15,9 @@ class ServeConfig:
     token_file: str | None = None  # else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN
     ready_file: str | None = None  # JSON {"host","port","pid"} written once listening
     max_steps_per_request: int = 256
+    max_body_bytes: int = 16 << 20  # JSON bodies (jobs, heartbeats with inventories)
+    dead_after_s: float = 1.5  # a node silent this long is declared dead
+    sweep_s: float = 0.2  # how often silence is checked
     log_level: str = "info"
 
     def resolved_state_dir(self) -> Path:

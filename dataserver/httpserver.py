@@ -123,10 +123,12 @@ def write_ready_file(path: str | None, **info: Any) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def serve(app: Any, host: str, port: int, ready_file: str | None = None, **ready: Any) -> None:
+def serve(app: Any, host: str, port: int, ready_file: str | None = None, on_bound: Any = None, **ready: Any) -> None:
     """Serve ``app`` until SIGTERM/SIGINT; the ready file names the bound port."""
     sock = bind(host, port)
     bound_port = sock.getsockname()[1]
+    if on_bound is not None:
+        on_bound(bound_port)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     write_ready_file(ready_file, host=host, port=bound_port, **ready)

@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--fetch-retry-s", type=float, default=d.fetch_retry_s)
     srv.add_argument("--durable-dir", type=Path, default=None, help="directory of the durable tier (safetensors + JSON)")
     srv.add_argument("--durable-every", type=int, default=d.durable_every, help="copy committed shards to --durable-dir every N steps (0 = off)")
+    srv.add_argument("--node-id", default="", help="this node's name in the ring (default: host name)")
+    srv.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)
     srv.add_argument("--token-file", default=None, help="job token (else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN)")
     srv.add_argument("--ready-file", default=None)
     srv.add_argument("--log-level", default=d.log_level)
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         fetch_retry_s=args.fetch_retry_s,
         durable_dir=args.durable_dir,
         durable_every=args.durable_every,
+        node_id=args.node_id,
+        heartbeat_s=args.heartbeat_s,
         token_file=args.token_file,
         ready_file=args.ready_file,
         log_level=args.log_level,
@@ -61,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ShmError, ValueError) as exc:
         print(f"statestore serve: error: {exc}", file=sys.stderr)
         return 2
-    serve(create_app(daemon), cfg.host, cfg.port, cfg.ready_file, socket=str(cfg.socket_path), root=str(cfg.root))
+    def bound(port: int) -> None:
+        daemon.address = f"http://{cfg.host}:{port}"
+
+    serve(create_app(daemon), cfg.host, cfg.port, cfg.ready_file, on_bound=bound, socket=str(cfg.socket_path), root=str(cfg.root), node_id=cfg.node_id)
     return 0
 
 

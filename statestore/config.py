@@ -22,6 +22,8 @@ class DaemonConfig:
     fetch_retry_s: float = 30.0  # how long a waiting reader's fetch is retried on 5xx/unreachable
     durable_dir: Path | None = None  # durable tier (safetensors + JSON), off unless set
     durable_every: int = 0  # copy committed shards there every N steps; 0 = off
+    node_id: str = ""  # this node's name in the ring; default: the host name
+    heartbeat_s: float = 1.0  # coordinator heartbeat period
     token_file: str | None = None  # else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN
     ready_file: str | None = None
     log_level: str = "info"
@@ -29,6 +31,12 @@ class DaemonConfig:
     @property
     def socket_path(self) -> Path:
         return self.root / SOCKET_NAME
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            import socket
+
+            self.node_id = socket.gethostname()
 
     def validate(self) -> None:
         if self.window < 1:

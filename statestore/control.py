@@ -20,10 +20,13 @@ import itertools
 import json
 import logging
 import os
+import socket
+import struct
 from pathlib import Path
 from typing import Any
 
 from statestore.data_cache import DataCache, FetchError, Stream
+from statestore.heartbeat import Heartbeat
 from statestore.state_service import StateService
 from statestore.slots import SlotError
 
@@ -33,10 +36,11 @@ _reader_ids = itertools.count(1)
 
 
 class ControlServer:
-    def __init__(self, cache: DataCache, state: StateService, path: Path) -> None:
+    def __init__(self, cache: DataCache, state: StateService, path: Path, heartbeat: Heartbeat | None = None) -> None:
         self.cache = cache
         self.state = state
         self.path = path
+        self.heartbeat = heartbeat
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -53,6 +57,7 @@ class ControlServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         rid = next(_reader_ids)
         conn = _Conn()
+        conn.pid = _peer_pid(writer)
         try:
             while line := await reader.readline():
                 try:
@@ -73,6 +78,10 @@ class ControlServer:
                 self.cache.detach(rid, conn.stream)
             for job, role, slot in conn.writing:  # a worker killed mid-save: its slot is free again
                 self.state.slots.abandon(job, role, slot)
+            if self.heartbeat is not None:
+                info = self.heartbeat.workers.pop(rid, None)
+                if info is not None and not _alive(conn.pid):
+                    self.heartbeat.worker_gone(info)
             writer.close()
 
     async def _handle(self, rid: int, msg: dict[str, Any], conn: _Conn) -> dict[str, Any]:
@@ -84,6 +93,7 @@ class ControlServer:
             if conn.stream is not None:
                 self.cache.detach(rid, conn.stream)
             conn.stream = self.cache.attach(rid, job, dp_rank, msg.get("token"))
+            self._register(rid, conn, job=job, dp_rank=dp_rank)
             log.info("reader attached", extra={"job": job, "dp_rank": dp_rank, "reader": rid})
             return {"ok": True, "root": str(self.cache.config.root)}
         if op == "get":
@@ -101,6 +111,7 @@ class ControlServer:
         if op == "begin":
             job, role, step = _name(msg["job"]), _name(msg["role"]), int(msg["step"])
             slot = self.state.begin(job, role, step)
+            self._register(rid, conn, job=job, role=role)
             conn.writing.add((job, role, slot))
             return {"ok": True, "slot": slot, "path": str(self.state.root / slot)}
         if op == "commit":
@@ -119,12 +130,44 @@ class ControlServer:
         raise ValueError(f"unknown op {op!r}; expected open, get, alloc, begin, commit, restorable, verify or ping")
 
 
+    def _register(self, rid: int, conn: _Conn, **what: object) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.workers.setdefault(rid, {"pid": conn.pid}).update(what)
+
+
 class _Conn:
-    """What one client connection holds: the stream it reads, the slots it is writing."""
+    """What one client connection holds: its peer, the stream it reads, the slots it writes."""
 
     def __init__(self) -> None:
+        self.pid = 0
         self.stream: Stream | None = None
         self.writing: set[tuple[str, str, str]] = set()
+
+
+def _peer_pid(writer: asyncio.StreamWriter) -> int:
+    sock = writer.get_extra_info("socket")
+    try:
+        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return int(pid)
+    except (OSError, AttributeError):
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (killed, not yet reaped by its launcher) is gone for our purpose
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _name(value: object) -> str:

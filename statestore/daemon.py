@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.control import ControlServer
+from statestore.heartbeat import Heartbeat
 from statestore.data_cache import DataCache
 from statestore.index import Index
 from statestore.metrics import registry_for
@@ -36,6 +38,9 @@ class Daemon:
         self.cache: DataCache | None = None
         self.state: StateService | None = None
         self.control: ControlServer | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.address = ""  # the ops/peer base URL, once bound
+        self._tasks: list[asyncio.Task[None]] = []
 
     def prepare(self) -> None:
         """Lock the root, reclaim stale files, reattach, and check the tmpfs has room."""
@@ -56,11 +61,16 @@ class Daemon:
         assert self.cache is not None
         await self.cache.start()
         assert self.state is not None
-        self.control = ControlServer(self.cache, self.state, self.config.socket_path)
+        self.heartbeat = Heartbeat(self.config, self.state.slots, self.token)
+        self.heartbeat.address = self.address
+        self.control = ControlServer(self.cache, self.state, self.config.socket_path, self.heartbeat)
         await self.control.start()
+        self._tasks.append(asyncio.create_task(self.heartbeat.run(), name="heartbeat"))
         log.info("control socket ready", extra={"socket": str(self.config.socket_path)})
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         if self.control is not None:
             await self.control.close()
         if self.cache is not None:
@@ -113,6 +123,8 @@ def create_app(daemon: Daemon) -> FastAPI:
             "durable_dir": str(daemon.config.durable_dir) if daemon.config.durable_dir else None,
             "durable_every": daemon.config.durable_every,
             "durable_written": daemon.state.durable_written,
+            "node_id": daemon.config.node_id,
+            "coordinator": daemon.heartbeat.view if daemon.heartbeat else {},
             "roles": slots.describe(),
         }
 

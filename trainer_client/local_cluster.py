@@ -109,9 +109,10 @@ class LocalCluster:
         n = self.net.nodes[node]
         return n.addr, n.exec_argv
 
-    def start_dataserver(self, *extra: str) -> Proc:
+    def start_dataserver(self, *extra: str, port: int = 0) -> Proc:
+        """Start (or restart, on the same ``port``) the data server."""
         host, wrap = self._place(0)
-        args = ["serve", "--data-dir", str(self.data_dir), "--host", host, "--port", "0", *extra]
+        args = ["serve", "--data-dir", str(self.data_dir), "--host", host, "--port", str(port), *extra]
         self.dataserver = start("dataserver", args, self.workdir, "dataserver", self.token, wrap=wrap)
         return self.dataserver
 
@@ -123,7 +124,7 @@ class LocalCluster:
         if root not in self.roots:
             self.roots.append(root)
         host, wrap = self._place(i + 1 if self.net else 0)
-        args = ["serve", "--dataserver", self.dataserver.url, "--root", str(root), "--host", host, "--port", "0", "--budget-mb", str(budget_mb), *extra]
+        args = ["serve", "--dataserver", self.dataserver.url, "--root", str(root), "--host", host, "--port", "0", "--budget-mb", str(budget_mb), "--node-id", f"n{i}", *extra]
         proc = start("statestore", args, self.workdir, f"daemon{i}-{len(self.daemons)}", self.token, wrap=wrap)
         self.daemons.append(proc)
         return proc
