@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -78,7 +79,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     metrics = _Metrics()
     coordinator = Coordinator(config.dead_after_s)
 
-    def bounded(request: Request) -> None:
+    async def bounded(request: Request) -> None:  # async: no thread-pool hop per request
         size = int(request.headers.get("content-length") or 0)
         if size > config.max_body_bytes:
             raise HTTPException(413, f"request body of {size} bytes exceeds the limit of {config.max_body_bytes}")
@@ -224,17 +225,26 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
 
         return StreamingResponse(body(), media_type=MEDIA_TYPE, headers=headers)
 
+    # Coordinator endpoints are async: they run on the event loop, one at a time, so membership
+    # needs no lock (sync endpoints would run concurrently in the thread pool) and skip a thread hop.
     @app.post("/v1/nodes/heartbeat", dependencies=needs_token)
-    def heartbeat(body: Heartbeat) -> dict[str, Any]:
+    async def heartbeat(body: Heartbeat) -> dict[str, Any]:
         """A node daemon's heartbeat: registers it, records its shard inventory and workers."""
         return coordinator.heartbeat(body.node_id, body.address, body.budget_bytes, body.inventory, body.workers, body.exited)
 
     @app.get("/v1/nodes")
-    def nodes() -> dict[str, Any]:
+    async def nodes() -> dict[str, Any]:
         return {"ring": coordinator.ring(), "members": {n: {"address": m.address, "alive": m.alive} for n, m in coordinator.members.items()}}
 
+    @app.get("/v1/nodes/{node_id}")
+    async def node(node_id: str) -> dict[str, Any]:
+        m = coordinator.members.get(node_id)
+        if m is None:
+            raise HTTPException(404, f"unknown node {node_id!r}; it has never sent a heartbeat")
+        return {"node_id": node_id, "address": m.address, "alive": m.alive, "silent_s": round(time.monotonic() - m.last_seen, 3)}
+
     @app.get("/v1/jobs/{name}/status")
-    def job_status(name: str) -> dict[str, Any]:
+    async def job_status(name: str) -> dict[str, Any]:
         """Members, ring, dead nodes, restorable step and per-role shard locations of a job."""
         return coordinator.status(name)
 

@@ -87,7 +87,7 @@ class BearerAuth:
     def __init__(self, token: str | None) -> None:
         self.token = token
 
-    def __call__(self, request: Request) -> None:
+    async def __call__(self, request: Request) -> None:  # async: no thread-pool hop per request
         if self.token is None:
             raise HTTPException(503, "this server has no token configured; set FFPLANE_TOKEN")
         header = request.headers.get("authorization", "")

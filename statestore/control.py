@@ -69,9 +69,18 @@ class ControlServer:
                     reply = {"ok": False, "status": 400, "error": f"bad request: {exc}"}
                 except (FetchError, SlotError) as exc:
                     reply = {"ok": False, "status": exc.status, "error": str(exc)}
+                except Exception as exc:  # noqa: BLE001 - answer it; a dropped connection explains nothing
+                    log.exception("control request failed", extra={"op": msg.get("op") if isinstance(msg, dict) else None})
+                    reply = {"ok": False, "status": 500, "error": f"daemon error: {exc!r}"}
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+        except (asyncio.LimitOverrunError, ValueError):  # a line over the limit: say so, then close
+            try:
+                writer.write(json.dumps({"ok": False, "status": 413, "error": f"request line over {_MAX_LINE} bytes"}).encode() + b"\n")
+                await writer.drain()
+            except ConnectionError:
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             if conn.stream is not None:
@@ -109,14 +118,21 @@ class ControlServer:
             paths = await self.state.slots.alloc(_name(msg["job"]), _name(msg["role"]), int(msg["nbytes"]))
             return {"ok": True, "paths": [str(self.state.root / p) for p in paths]}
         if op == "begin":
-            job, role, step = _name(msg["job"]), _name(msg["role"]), int(msg["step"])
+            job, role, step = _name(msg["job"]), _name(msg["role"]), _step(msg["step"])
             slot = self.state.begin(job, role, step)
             self._register(rid, conn, job=job, role=role)
             conn.writing.add((job, role, slot))
             return {"ok": True, "slot": slot, "path": str(self.state.root / slot)}
+        if op == "abort":
+            job, role, slot = _name(msg["job"]), _name(msg["role"]), str(msg["slot"])
+            self.state.slots.abort(job, role, slot)
+            conn.writing.discard((job, role, slot))
+            return {"ok": True}
         if op == "commit":
             job, role, slot = _name(msg["job"]), _name(msg["role"]), str(msg["slot"])
-            version = await self.state.commit(job, role, int(msg["step"]), slot, int(msg["nbytes"]), dict(msg["header"]), float(msg.get("save_block_s", 0.0)))
+            if not isinstance(msg.get("header"), dict):
+                raise ValueError("commit needs a JSON object 'header'")
+            version = await self.state.commit(job, role, _step(msg["step"]), slot, int(msg["nbytes"]), msg["header"], float(msg.get("save_block_s", 0.0)))
             conn.writing.discard((job, role, slot))
             return {"ok": True, "checksum": version.checksum}
         if op == "restorable":
@@ -127,7 +143,7 @@ class ControlServer:
             return {"ok": True, "intact": await self.state.verify(_name(msg["job"]), int(msg["step"]))}
         if op == "ping":
             return {"ok": True}
-        raise ValueError(f"unknown op {op!r}; expected open, get, alloc, begin, commit, restorable, verify or ping")
+        raise ValueError(f"unknown op {op!r}; expected open, get, alloc, begin, abort, commit, restorable, verify or ping")
 
 
     def _register(self, rid: int, conn: _Conn, **what: object) -> None:
@@ -168,6 +184,13 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _step(value: object) -> int:
+    step = int(value)  # type: ignore[call-overload]
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return step
 
 
 def _name(value: object) -> str:

@@ -52,6 +52,7 @@ class Daemon:
         kept, dropped = self.cache.reattach()
         cache = self.cache
         slots = SlotStore(root, self.index, self.config.budget_bytes, cache.cached_bytes)
+        cache.other_bytes = slots.slot_bytes
         versions = slots.reattach()
         self.state = StateService(root, slots, DurableConfig(self.config.durable_dir, self.config.durable_every))
         shm.check_room(root, self.config.budget_bytes, already_ours=cache.cached_bytes() + slots.slot_bytes())

@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -103,20 +104,36 @@ async def _copy_body(resp: aiohttp.ClientResponse, fd: int) -> int:
     """
     pending: list[bytes] = []
     size = written = 0
-    write: asyncio.Future[int] | None = None
-    async for chunk, _ in resp.content.iter_chunks():
-        pending.append(chunk)
-        size += len(chunk)
-        if size - written >= _WRITE_BATCH:
+    write: asyncio.Future[None] | None = None
+    try:
+        async for chunk, _ in resp.content.iter_chunks():
+            pending.append(chunk)
+            size += len(chunk)
+            if size - written >= _WRITE_BATCH or len(pending) >= 512:
+                if write is not None:
+                    await write
+                write = asyncio.ensure_future(asyncio.to_thread(_write_all, fd, pending))
+                pending, written = [], size
+        if pending:
             if write is not None:
                 await write
-            write = asyncio.ensure_future(asyncio.to_thread(os.writev, fd, pending))
-            pending, written = [], size
-    if write is not None:
-        await write
-    if pending:
-        await asyncio.to_thread(os.writev, fd, pending)
+            write = asyncio.ensure_future(asyncio.to_thread(_write_all, fd, pending))
+    finally:
+        if write is not None:  # never leave a write running on an fd the caller is about to close
+            await asyncio.shield(write)
     return size
+
+
+def _write_all(fd: int, chunks: list[bytes]) -> None:
+    """``writev`` until every byte is written (short writes happen; ENOSPC raises)."""
+    views = [memoryview(c) for c in chunks]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
 def _index_key(job: str, dp_rank: int, step: int) -> str:
@@ -132,6 +149,7 @@ class DataCache:
         self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
         self._session: aiohttp.ClientSession | None = None
         self.bytes_fetched = 0
+        self.other_bytes: Callable[[], int] = lambda: 0  # shared memory the state slots hold
 
     # --- lifecycle -----------------------------------------------------------------------
     def reattach(self) -> tuple[int, int]:
@@ -235,7 +253,7 @@ class DataCache:
                     continue
                 if len(stream.inflight) >= self.config.fetch_concurrency:
                     break
-                if self.cached_bytes() + self._step_estimate(stream) > self.config.budget_bytes:
+                if self.cached_bytes() + self.other_bytes() + self._step_estimate(stream) > self.config.budget_bytes:
                     log.warning("cache budget reached; prefetch paused", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step})
                     break
                 self._start_fetch(stream, step)
@@ -297,6 +315,9 @@ class DataCache:
         except aiohttp.ClientError as exc:
             shm.unlink(tmp)
             raise FetchError(f"cannot fetch {stream.key} step {step} from {self.config.dataserver}: {exc}") from exc
+        except OSError as exc:  # ENOSPC: the tmpfs is full — a clear error, not a dropped reader
+            shm.unlink(tmp)
+            raise FetchError(f"cannot cache {stream.key} step {step} in {self.config.root}: {exc}; the tmpfs is full", 507) from exc
         except FetchError:
             shm.unlink(tmp)
             raise

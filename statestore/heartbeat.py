@@ -50,9 +50,13 @@ class Heartbeat:
     async def run(self) -> None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         url = f"{self.config.dataserver}/v1/nodes/heartbeat"
-        timeout = aiohttp.ClientTimeout(total=max(0.5, self.config.heartbeat_s))
+        # A fixed rate from a deadline (a slow answer does not stretch the period) and a timeout
+        # well inside it, so one slow round trip cannot make this node look silent.
+        timeout = aiohttp.ClientTimeout(total=max(0.2, self.config.heartbeat_s / 2))
+        next_at = time.monotonic()
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
+                next_at += self.config.heartbeat_s
                 exited, self._exited = self._exited, []
                 body = {
                     "node_id": self.config.node_id,
@@ -75,7 +79,9 @@ class Heartbeat:
                         self._last_warning = time.monotonic()
                         log.warning("heartbeat failed", extra={"dataserver": self.config.dataserver, "error": str(exc)})
                 try:
-                    await asyncio.wait_for(self._now.wait(), timeout=self.config.heartbeat_s)
+                    await asyncio.wait_for(self._now.wait(), timeout=max(0.0, next_at - time.monotonic()))
+                    next_at = time.monotonic()  # an urgent beat (a worker exited) restarts the period
                 except asyncio.TimeoutError:
                     pass
                 self._now.clear()
+                next_at = max(next_at, time.monotonic() - self.config.heartbeat_s)

@@ -119,7 +119,7 @@ class SlotStore:
     # --- protocol ------------------------------------------------------------------------
     async def alloc(self, job: str, role: str, nbytes: int) -> list[str]:
         """Slots of at least ``nbytes`` for ``role``; reuses the current ones when they fit."""
-        rs = self.roles.setdefault((job, role), RoleState(job, role))
+        rs = self.roles.get((job, role)) or RoleState(job, role)  # registered only once allocated
         if rs.size >= nbytes and rs.paths:
             return rs.paths
         size = max(nbytes, 1)
@@ -142,6 +142,7 @@ class SlotStore:
             paths.append(str(path.relative_to(self.root)))
         old = set(rs.paths)
         rs.paths, rs.size = paths, size
+        self.roles[(job, role)] = rs
         self.index.put(f"slots/{job}/{role}", {"gen": rs.gen, "size": size, "paths": paths})
         self._release_unreferenced(rs, old)
         log.info("slots allocated", extra={"job": job, "role": role, "slot_bytes": size, "slots": SLOTS})
@@ -176,6 +177,10 @@ class SlotStore:
         rs.writing[slot] = step
         return slot
 
+    def abort(self, job: str, role: str, slot: str) -> None:
+        """The writer gave up on a save it began (an error after ``begin``): free the slot."""
+        self.abandon(job, role, slot)
+
     def abandon(self, job: str, role: str, slot: str) -> None:
         """The writer went away before committing: the slot is free again (it holds no version)."""
         rs = self.roles.get((job, role))
@@ -196,9 +201,16 @@ class SlotStore:
         self.index.put(_vkey(job, role, step), asdict(version))  # the commit point
         rs.versions[step] = version
         rs.writing.pop(slot, None)
-        for old in sorted(rs.versions)[:-KEEP_VERSIONS]:
+        # Versions above this step belong to a future the run rewound from (a restore to an
+        # older step, a restarted job): they must not outrank what is saved now.
+        stale = [s for s in rs.versions if s > step]
+        stale += sorted(s for s in rs.versions if s <= step)[:-KEEP_VERSIONS]
+        dropped = {rs.versions[s].path for s in stale}
+        for old in stale:
             del rs.versions[old]
-            self.index.delete(_vkey(job, role, old))
+        if stale:
+            self.index.delete(*(_vkey(job, role, s) for s in stale))
+            self._release_unreferenced(rs, dropped - set(rs.paths))
         return version
 
     def verify(self, version: Version) -> bool:

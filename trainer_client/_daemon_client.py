@@ -28,6 +28,9 @@ class DaemonClient:
             self._sock.sendall(json.dumps(msg).encode() + b"\n")
             line = self._file.readline()
         except socket.timeout as exc:
+            # A late answer would be read as the reply to the next request: this connection
+            # is done; the caller reconnects.
+            self.close()
             raise FFTimeoutError(f"daemon at {self.socket_path} did not answer {msg.get('op')!r} in time") from exc
         except OSError as exc:
             raise TransportError(f"daemon at {self.socket_path} went away: {exc}") from exc

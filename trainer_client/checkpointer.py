@@ -26,7 +26,7 @@ import torch
 from trainer_client._copy import copy_all
 from trainer_client._daemon_client import DaemonClient
 from trainer_client.dataloader import DEFAULT_SOCKET, SOCKET_ENV
-from trainer_client.errors import CorruptError, FFPlaneError, NotFoundError, TransportError
+from trainer_client.errors import CorruptError, FFPlaneError, FFTimeoutError, NotFoundError, TransportError
 from trainer_client.pagemap import populate_read
 from trainer_client.razor import Layout, slice_of
 from trainer_client.state_codec import decode, encode
@@ -114,6 +114,9 @@ class Checkpointer:
                     self._client = DaemonClient(self.socket_path, self.timeout_s)
                 try:
                     return self._client.call(**msg)
+                except FFTimeoutError:
+                    self._client = None  # closed by the client: a late reply must not be misread
+                    raise
                 except TransportError:
                     # the daemon restarted (it reattaches slots and versions): reconnect once
                     self._client.close()
@@ -129,8 +132,8 @@ class Checkpointer:
             if not self._inflight.done() and self.on_busy == "skip":
                 self.skipped += 1
                 return False
-            self._inflight.result(timeout=self.timeout_s)  # re-raises a failed commit here
-            self._inflight = None
+            inflight, self._inflight = self._inflight, None
+            inflight.result(timeout=self.timeout_s)  # re-raises a failed commit here, once
         started = time.perf_counter()
         enc = encode(state, self.private_keys)
         replicated = enc.stream_nbytes["replicated"]
@@ -146,18 +149,16 @@ class Checkpointer:
                 raise
             self._allocate(nbytes)  # the daemon lost our slots (a new node, a wiped tmpfs)
             slot = self._begin(step)
-        if slot["path"] not in self._slots:
-            self._allocate(nbytes)
-        dst = self._slots[slot["path"]].tensor
-        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for entry, src in zip(enc.storages, enc.sources):
-            if entry.stream == "private":
-                jobs.append((dst[entry.offset : entry.offset + entry.nbytes], src))
-                continue
-            a, b = max(entry.offset, lo), min(entry.offset + entry.nbytes, hi)
-            if a < b:  # the part of this storage inside this rank's slice
-                jobs.append((dst[private + a - lo : private + b - lo], src[a - entry.offset : b - entry.offset]))
-        copy_all(jobs, self._copiers_pool(), self.copy_threads)
+        try:
+            if slot["path"] not in self._slots:
+                self._allocate(nbytes)
+            self._copy_into(slot["path"], enc, lo, hi, private)
+        except BaseException:
+            try:  # give the slot back, or every later save would find none free
+                self._call(op="abort", job=self.job, role=self.role, slot=slot["slot"])
+            except FFPlaneError:
+                pass
+            raise
         self.last_save_block_s = time.perf_counter() - started
         header = enc.header() | {
             "role": self.role,
@@ -170,6 +171,18 @@ class Checkpointer:
         self._inflight = self._pool.submit(self._commit, step, slot["slot"], nbytes, header, self.last_save_block_s)
         self.saves += 1
         return True
+
+    def _copy_into(self, path: str, enc: Any, lo: int, hi: int, private: int) -> None:
+        dst = self._slots[path].tensor
+        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for entry, src in zip(enc.storages, enc.sources):
+            if entry.stream == "private":
+                jobs.append((dst[entry.offset : entry.offset + entry.nbytes], src))
+                continue
+            a, b = max(entry.offset, lo), min(entry.offset + entry.nbytes, hi)
+            if a < b:  # the part of this storage inside this rank's slice
+                jobs.append((dst[private + a - lo : private + b - lo], src[a - entry.offset : b - entry.offset]))
+        copy_all(jobs, self._copiers_pool(), self.copy_threads)
 
     def _copiers_pool(self) -> ThreadPoolExecutor | None:
         if self.copy_threads < 2:
@@ -206,10 +219,10 @@ class Checkpointer:
         return str(reply["checksum"])
 
     def wait(self) -> None:
-        """Block until the last save is committed (raises if its commit failed)."""
+        """Block until the last save is committed (raises, once, if its commit failed)."""
         if self._inflight is not None:
-            self._inflight.result(timeout=self.timeout_s)
-            self._inflight = None
+            inflight, self._inflight = self._inflight, None
+            inflight.result(timeout=self.timeout_s)
 
     # --- restore -------------------------------------------------------------------------
     def restore(self, into: Any = None, view: bool = False) -> Restored | None:
@@ -227,6 +240,8 @@ class Checkpointer:
         while True:
             found = self._restorable(below)
             if found is None:
+                if below is not None:  # there were versions, and every one failed its checksum
+                    raise CorruptError(f"no intact checkpoint of job {self.job!r} at or below step {below} for every role; all copies failed their checksums")
                 return None
             step, source, shards = found
             # the daemon checks the checksums of every role's shard while we copy ours
@@ -275,6 +290,11 @@ class Checkpointer:
             step, shards = durable.restorable(self.durable_dir, self.job, set(self.layout.all_roles()))
             return None if step is None else (step, "durable", shards)
         if reply["step"] is None:
+            if self.durable_dir is not None:  # the daemon holds nothing usable: try our own copy
+                from statestore import durable
+
+                step, shards = durable.restorable(self.durable_dir, self.job, set(self.layout.all_roles()))
+                return None if step is None else (step, "durable", shards)
             return None
         return int(reply["step"]), str(reply["source"]), dict(reply["shards"])
 

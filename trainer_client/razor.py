@@ -44,6 +44,14 @@ def role_name(dp_rank: int, pp_rank: int, tp_rank: int) -> str:
     return f"dp{dp_rank}-pp{pp_rank}-tp{tp_rank}"
 
 
+ALIGN = 64  # slice boundaries, like storage offsets, fall on 64 bytes: every dtype view stays aligned
+
+
 def slice_of(total: int, dp: int, dp_rank: int) -> tuple[int, int]:
-    """Byte range ``[lo, hi)`` of the replicated stream that ``dp_rank`` saves (even split)."""
-    return total * dp_rank // dp, total * (dp_rank + 1) // dp
+    """Byte range ``[lo, hi)`` of the replicated stream that ``dp_rank`` saves (even split,
+    boundaries rounded down to 64 bytes; the last rank ends at ``total``)."""
+
+    def cut(r: int) -> int:
+        return total if r >= dp else total * r // dp // ALIGN * ALIGN
+
+    return cut(dp_rank), cut(dp_rank + 1)

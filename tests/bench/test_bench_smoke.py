@@ -34,3 +34,10 @@ def test_overhead_smoke(tmp_path: Path) -> None:
 
     out = overhead.main(["--repeats", "1", "--steps", "1", "--batch", "32", "--results-dir", str(tmp_path), "--out", "oh"])
     assert out["targets"]["overhead_ratio"]["ratio"] > 0
+
+
+def test_coordinator_scale_smoke(tmp_path: Path) -> None:
+    from bench import coordinator_scale
+
+    out = coordinator_scale.main(["--nodes", "16", "--rounds", "1", "--repeats", "1", "--results-dir", str(tmp_path), "--out", "cs"])
+    assert out["figures"]["detect_dead_s"]["median"] > 0 and out["figures"]["cpu_per_round_s"]["median"] > 0

@@ -206,3 +206,76 @@ def test_restore_into_live_parameters(start_daemon: Callable[..., Proc], shm_roo
     live = {"model": dict(dst.named_parameters())}  # Parameters that require grad
     got = Checkpointer("params", socket_path=shm_root / "daemon.sock").restore(into=live)
     assert got is not None and torch.equal(dst.weight, src.weight) and dst.weight.requires_grad
+
+
+def test_three_way_razor_restores_into_and_as_views(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    start_daemon()
+    sock = shm_root / "daemon.sock"
+    state = _state(5)
+    for r in range(3):  # dp=3: slice boundaries that are not multiples of any dtype size, unless aligned
+        ck = Checkpointer("three", Layout(dp=3, dp_rank=r), socket_path=sock)
+        ck.save(5, state)
+        ck.close()
+    for r in range(3):
+        live = _state(0)
+        got = Checkpointer("three", Layout(dp=3, dp_rank=r), socket_path=sock).restore(into=live)
+        assert got is not None and _equal(live, state)
+        view = Checkpointer("three", Layout(dp=3, dp_rank=r), socket_path=sock).restore(view=True)
+        assert view is not None and _equal(view.state, state)
+
+
+def test_a_rewound_run_replaces_the_newer_versions(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon()
+    ck = Checkpointer("rewind", socket_path=shm_root / "daemon.sock")
+    for step in (204, 205, 206):
+        ck.save(step, _state(step))
+    ck.save(101, _state(101))  # the job restarted from an older checkpoint under the same name
+    ck.save(102, _state(102))
+    ck.close()
+    roles = httpx.get(daemon.url + "/v1/state").json()["roles"]
+    assert [v["step"] for v in roles[0]["versions"]] == [102, 101]
+    got = Checkpointer("rewind", socket_path=shm_root / "daemon.sock").restore()
+    assert got is not None and got.step == 102 and _equal(got.state, _state(102))
+
+
+def test_failures_do_not_poison_later_saves_or_restores(start_daemon: Callable[..., Proc], shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    start_daemon()
+    sock = shm_root / "daemon.sock"
+    too_big = Checkpointer("ok", Layout(dp=1), socket_path=sock)
+    with pytest.raises(CapacityError):
+        too_big.save(0, {"w": torch.zeros(32 << 20)})  # a refused allocation leaves no phantom role
+    too_big.close()
+    ck = Checkpointer("ok", socket_path=sock)
+    for step in (1, 2):
+        ck.save(step, _state(step))
+    ck.wait()
+    calls = {"n": 0}
+    real = Checkpointer._copy_into
+
+    def fail_once(self: Checkpointer, *a: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected copy failure")
+        real(self, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Checkpointer, "_copy_into", fail_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        ck.save(3, _state(3))
+    ck.save(3, _state(3))  # the slot begun by the failed save was given back
+    ck.close()
+    got = Checkpointer("ok", socket_path=sock).restore()
+    assert got is not None and got.step == 3 and _equal(got.state, _state(3))
+
+
+def test_every_copy_corrupt_and_no_durable_tier_is_an_error_not_a_fresh_start(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon()
+    ck = Checkpointer("lost", socket_path=shm_root / "daemon.sock")
+    for step in (1, 2):
+        ck.save(step, _state(step))
+    ck.close()
+    for v in httpx.get(daemon.url + "/v1/state").json()["roles"][0]["versions"]:
+        (shm_root / v["slot"]).write_bytes(b"\1" * v["nbytes"])
+    from trainer_client import CorruptError
+
+    with pytest.raises(CorruptError, match="failed their checksums"):
+        Checkpointer("lost", socket_path=shm_root / "daemon.sock").restore()
