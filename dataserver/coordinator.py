@@ -88,9 +88,14 @@ class Coordinator:
         for m in self.members.values():
             for role, versions in m.inventory.get(job, {}).items():
                 for v in versions:
+                    try:
+                        step, peers = int(v["step"]), [str(r) for r in v.get("layout_roles", [role])]
+                    except (KeyError, TypeError, ValueError):
+                        log.warning("malformed inventory entry ignored", extra={"node": m.node_id, "job": job, "role": role})
+                        continue
                     if m.alive:
-                        locations.setdefault(role, {}).setdefault(int(v["step"]), []).append(m.node_id)
-                    expected |= set(v.get("layout_roles", [role]))
+                        locations.setdefault(role, {}).setdefault(step, []).append(m.node_id)
+                    expected |= set(peers)
         restorable = None
         if expected and expected <= set(locations):
             common = set.intersection(*(set(locations[r]) for r in expected))

@@ -130,14 +130,20 @@ def create_app(daemon: Daemon) -> FastAPI:
         }
 
     @app.get("/v1/state/{job}/{role}/{step}/shard", dependencies=[Depends(BearerAuth(daemon.token))])
-    def shard(job: str, role: str, step: int) -> Response:
+    async def shard(job: str, role: str, step: int) -> Response:
         """The raw bytes of a committed shard (needs the job's token)."""
         assert daemon.state is not None
-        rs = daemon.state.slots.roles.get((job, role))
+        slots = daemon.state.slots
+        rs = slots.roles.get((job, role))
         version = rs.versions.get(step) if rs else None
-        if version is None:
+        if rs is None or version is None:
             raise HTTPException(404, f"no committed shard of {role} at step {step} in job {job!r}")
-        data = bytes(memoryview(daemon.state.slots.mapped(version.path))[: version.nbytes])
+        view = memoryview(slots.mapped(version.path))[: version.nbytes]
+        data = await asyncio.to_thread(bytes, view)
+        # A save reusing this slot first drops the version (on this event loop); if the version
+        # is still there after the copy, no byte of it changed meanwhile.
+        if rs.versions.get(step) is not version:
+            raise HTTPException(409, f"step {step} of {role} was replaced while being read; ask again")
         return Response(data, media_type="application/octet-stream", headers={"X-FFplane-Checksum": version.checksum})
 
     registry = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import urllib.error
@@ -73,8 +74,8 @@ class HttpSource:
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
             raise for_status(exc.code, f"data server {self.url}{path}: {exc.code} {detail}") from exc
-        except OSError as exc:
-            raise TransportError(f"cannot reach the data server at {self.url}: {exc}") from exc
+        except (OSError, http.client.HTTPException) as exc:  # incl. a body cut short
+            raise TransportError(f"cannot reach the data server at {self.url}: {exc!r}") from exc
 
     def job_info(self) -> dict[str, Any]:
         info: dict[str, Any] = json.loads(self._request(f"/v1/jobs/{self.job}"))
