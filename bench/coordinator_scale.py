@@ -29,7 +29,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, repeat, write_results  # noqa: E402
+from bench._common import RESULTS, write_results  # noqa: E402
 from trainer_client.local_cluster import LocalCluster  # noqa: E402
 
 

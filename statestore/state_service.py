@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from statestore import durable
-from statestore.slots import SlotError, SlotStore, Version
+from statestore.slots import SlotStore, Version
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,23 @@ def write_image_arrow(path: Path, n: int, seed: int = 1) -> list[bytes]:
     return blobs
 
 
+def write_lmdb(path: Path, values: list[bytes], meta: dict[str, object] | None) -> None:
+    """An LMDB environment in the documented key scheme (sample i under i as 8 big-endian bytes)."""
+    import json
+
+    import lmdb
+
+    from dataserver._lmdb_dataset import META_KEY, sample_key
+
+    env = lmdb.open(str(path), map_size=1 << 26)
+    with env.begin(write=True) as txn:
+        for i, v in enumerate(values):
+            txn.put(sample_key(i), v)
+        if meta is not None:
+            txn.put(META_KEY, json.dumps(meta).encode())
+    env.close()
+
+
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     """Two datasets: ``tokens`` (300 rows of 16 int32) and ``images`` (250 binary rows)."""
@@ -97,4 +114,4 @@ def create_job(ds: Proc, **overrides: object) -> dict[str, object]:
     return result
 
 
-__all__ = ["SEQ_LEN", "TOKEN", "create_job", "write_image_arrow", "write_token_parquet"]
+__all__ = ["SEQ_LEN", "TOKEN", "create_job", "write_image_arrow", "write_lmdb", "write_token_parquet"]

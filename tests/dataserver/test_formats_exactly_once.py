@@ -3,39 +3,27 @@ LMDB fixed-width, LMDB binary), through the real server and an elastic dp change
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import lmdb
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from dataserver._lmdb_dataset import META_KEY, sample_key
 from dataserver.catalog import SAMPLE_INDEX_COLUMN
 from tests._servers import TOKEN, Proc, start
+from tests.conftest import write_lmdb
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def _lmdb(path: Path, values: list[bytes], meta: dict[str, object] | None) -> None:
-    env = lmdb.open(str(path), map_size=1 << 26)
-    with env.begin(write=True) as txn:
-        for i, v in enumerate(values):
-            txn.put(sample_key(i), v)
-        if meta is not None:
-            txn.put(META_KEY, json.dumps(meta).encode())
-    env.close()
 
 
 @pytest.fixture
 def server_with_lmdb(tmp_path: Path, data_dir: Path) -> Iterator[Proc]:
     n = 230
-    _lmdb(data_dir / "lmdb_tokens", [np.full(8, i, dtype=np.int32).tobytes() for i in range(n)], {"num_samples": n, "column": "tokens", "dtype": "int32", "shape": [8]})
-    _lmdb(data_dir / "lmdb_blobs", [i.to_bytes(4, "little") * (1 + i % 5) for i in range(n)], None)
+    write_lmdb(data_dir / "lmdb_tokens", [np.full(8, i, dtype=np.int32).tobytes() for i in range(n)], {"num_samples": n, "column": "tokens", "dtype": "int32", "shape": [8]})
+    write_lmdb(data_dir / "lmdb_blobs", [i.to_bytes(4, "little") * (1 + i % 5) for i in range(n)], None)
     proc = start("dataserver", ["serve", "--data-dir", str(data_dir), "--port", "0"], tmp_path, "ds-formats")
     try:
         yield proc

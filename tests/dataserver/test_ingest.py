@@ -5,16 +5,14 @@ import gzip
 import json
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from dataserver._lmdb_dataset import META_KEY, sample_key
 from dataserver.catalog import open_dataset
 from dataserver.cli import main as cli_main
 from dataserver.ingest import IngestConfig, IngestError, ingest
-from tests.conftest import write_image_arrow, write_token_parquet
+from tests.conftest import write_image_arrow, write_lmdb, write_token_parquet
 
 
 def _jsonl(path: Path, rows: list[dict[str, object]] | list[str], gz: bool = False) -> Path:
@@ -96,24 +94,14 @@ def test_corrupt_parquet_is_named(tmp_path: Path) -> None:
         ingest(IngestConfig([tmp_path / "broken.parquet"], tmp_path / "o", progress=False))
 
 
-def _lmdb(path: Path, values: list[bytes], meta: dict[str, object] | None) -> None:
-    env = lmdb.open(str(path), map_size=1 << 26)
-    with env.begin(write=True) as txn:
-        for i, v in enumerate(values):
-            txn.put(sample_key(i), v)
-        if meta is not None:
-            txn.put(META_KEY, json.dumps(meta).encode())
-    env.close()
-
-
 def test_lmdb_binary_and_fixed_width(tmp_path: Path) -> None:
-    _lmdb(tmp_path / "bin", [bytes([i]) * i for i in range(1, 30)], None)
+    write_lmdb(tmp_path / "bin", [bytes([i]) * i for i in range(1, 30)], None)
     ds = open_dataset(tmp_path / "bin")
     assert ds.num_samples == 29 and ds.schema.field("data").type == pa.binary()
     assert ds.take(np.array([4, 0])).column("data").to_pylist() == [b"\x05" * 5, b"\x01"]
 
     rows = np.arange(40 * 8, dtype=np.int32).reshape(40, 8)
-    _lmdb(tmp_path / "tok", [r.tobytes() for r in rows], {"num_samples": 40, "column": "tokens", "dtype": "int32", "shape": [8]})
+    write_lmdb(tmp_path / "tok", [r.tobytes() for r in rows], {"num_samples": 40, "column": "tokens", "dtype": "int32", "shape": [8]})
     ds = open_dataset(tmp_path / "tok")
     assert ds.schema.field("tokens").type == pa.list_(pa.int32(), 8)
     got = ds.take(np.array([39, 2])).column("tokens")
