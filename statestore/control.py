@@ -114,6 +114,11 @@ class ControlServer:
             cached, hit = await self.cache.get(rid, conn.stream, step)
             rel = str(cached.path.relative_to(self.cache.config.root))
             return {"ok": True, "path": rel, "nbytes": cached.nbytes, "hit": hit}
+        if op == "invalidate":
+            if conn.stream is None:
+                raise ValueError("send 'open' before 'invalidate'")
+            self.cache.invalidate(conn.stream, _step(msg["step"]))
+            return {"ok": True}
         if op == "alloc":
             paths = await self.state.slots.alloc(_name(msg["job"]), _name(msg["role"]), int(msg["nbytes"]))
             return {"ok": True, "paths": [str(self.state.root / p) for p in paths]}
@@ -143,7 +148,7 @@ class ControlServer:
             return {"ok": True, "intact": await self.state.verify(_name(msg["job"]), int(msg["step"]))}
         if op == "ping":
             return {"ok": True}
-        raise ValueError(f"unknown op {op!r}; expected open, get, alloc, begin, abort, commit, restorable, verify or ping")
+        raise ValueError(f"unknown op {op!r}; expected open, get, invalidate, alloc, begin, abort, commit, restorable, verify or ping")
 
 
     def _register(self, rid: int, conn: _Conn, **what: object) -> None:

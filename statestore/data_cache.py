@@ -326,6 +326,18 @@ class DataCache:
         self.bytes_fetched += nbytes
         return CachedStep(final, nbytes)
 
+    def invalidate(self, stream: Stream, step: int) -> None:
+        """Drop a cached step a reader found stale (planned before a new generation): this and
+        every later cached step of the stream, which were planned the same way; they refetch."""
+        stale = [s for s in stream.ready if s >= step]
+        for s in stale:
+            shm.unlink(stream.ready.pop(s).path)
+        stream.failed.clear()
+        stream.end_step = None
+        if stale:
+            self.index.delete(*(_index_key(stream.job, stream.dp_rank, s) for s in stale))
+            log.info("stale steps dropped", extra={"job": stream.job, "dp_rank": stream.dp_rank, "from_step": step, "steps": len(stale)})
+
     # --- eviction ------------------------------------------------------------------------
     def _evict(self, stream: Stream) -> None:
         win = stream.window(self.config.window)

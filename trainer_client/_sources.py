@@ -47,6 +47,10 @@ class DaemonSource:
             raise TransportError(f"cached step {step} vanished at {path}") from exc
         return _one(step_bytes, step, f"daemon cache {path}")
 
+    def invalidate(self, step: int) -> None:
+        """Ask the daemon to drop its cached copy of ``step`` (it was planned before a re-plan)."""
+        self.client.call(op="invalidate", step=step)
+
     def close(self) -> None:
         self.client.close()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from trainer_client._sources import DaemonSource, HttpSource, Step
 from trainer_client.batches import Batch
-from trainer_client.errors import FFPlaneError, FFTimeoutError, TransportError
+from trainer_client.errors import CorruptError, FFPlaneError, FFTimeoutError, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,9 @@ class DataLoader:
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: tuple[int, Future[Step]] | None = None
         self.end_step = end_step
-        if end_step is None and self.dataserver:
-            self.end_step = self._http_source().job_info().get("max_steps")
+        self._generations: list[int] = []  # start steps of the job's generations, when known
+        if self.dataserver:
+            self._refresh_job(set_end=end_step is None)
 
     # --- sources -------------------------------------------------------------------------
     def _http_source(self) -> HttpSource:
@@ -100,7 +101,34 @@ class DataLoader:
         """``"daemon"`` or ``"dataserver"``: where batches are coming from now."""
         return "none" if self._source is None else self._source.name
 
+    def _refresh_job(self, set_end: bool = False) -> None:
+        info = self._http_source().job_info()
+        self._generations = sorted(int(g["start_step"]) for g in info.get("generations", []))
+        if set_end:
+            self.end_step = info.get("max_steps")
+
+    def _expected_generation(self, step: int) -> int | None:
+        starts = [g for g in self._generations if g <= step]
+        return starts[-1] if starts else None
+
     def _fetch(self, step: int) -> Step:
+        found = self._fetch_any(step)
+        if not self._generations:
+            return found
+        # A node cache may hold a step planned before an elastic change (a new generation from
+        # a step it had already prefetched): check the batch's generation, refetch if stale.
+        for attempt in range(3):
+            got = int(found[2].get("generation", -1))
+            if got == self._expected_generation(step):
+                return found
+            if attempt == 0 and got > (self._expected_generation(step) or -1):
+                self._refresh_job()  # the job gained a generation after this loader started
+            elif isinstance(self._source, DaemonSource):
+                self._source.invalidate(step)
+            found = self._fetch_any(step)
+        raise CorruptError(f"step {step} of job {self.job!r} keeps arriving from generation {found[2].get('generation')}, the job says {self._expected_generation(step)}")
+
+    def _fetch_any(self, step: int) -> Step:
         if self._source is None:
             self._source = self._connect()
         try:

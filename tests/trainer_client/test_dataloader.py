@@ -183,3 +183,29 @@ def test_one_copy_per_node_for_many_readers(dataserver: Proc, start_daemon: Call
     assert stream["fetched"] == 12  # each step fetched once, not once per reader
     metrics = httpx.get(daemon.url + "/metrics").text
     assert 'ffplane_cache_hits_total{dp_rank="1",job="j1"}' in metrics
+
+
+def test_a_new_generation_replaces_batches_the_node_cached_under_the_old_plan(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    import httpx
+
+    from dataserver import Generation, Planner
+
+    create_job(dataserver, max_steps=30)
+    start_daemon("--window", "8")
+    sock = shm_root / "daemon.sock"
+    first = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=sock)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    deadline = time.monotonic() + 30  # the daemon has prefetched steps 3.. under the old plan
+    while len(list((shm_root / "j1" / "data" / "0").glob("*.arrow"))) < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first.close()
+    # an elastic restart from step 3 with another layout
+    r = httpx.post(dataserver.url + "/v1/jobs/j1/generations", json={"start_step": 3, "dp": 3, "batch_per_rank": 5}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200, r.text
+    plan = Planner(300, 5, [Generation(0, 2, 8), Generation(3, 3, 5)])
+    resumed = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=sock, start_step=3, end_step=9)
+    got = [b["_sample_index"].tolist() for b in resumed]
+    assert resumed.source == "daemon"
+    assert got == [plan.plan(0, s).indices.tolist() for s in range(3, 9)]
