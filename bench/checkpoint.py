@@ -141,7 +141,6 @@ def _dcp(state: dict[str, Any], work: Path, repeats: int) -> dict[str, Any]:
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{work / 'pg'}", rank=0, world_size=1)
     runs = iter(range(10_000))
-    pending: list[Any] = []
 
     def one() -> float:
         d = work / f"dcp-{next(runs)}"
@@ -153,9 +152,7 @@ def _dcp(state: dict[str, Any], work: Path, repeats: int) -> dict[str, Any]:
         return block
 
     one()  # the first call sets up the background machinery (seconds); users pay it once
-    result = repeat(one, repeats)
-    del pending
-    return result
+    return repeat(one, repeats)
 
 
 def _dlrover(state: dict[str, Any], work: Path, repeats: int) -> dict[str, Any]:

@@ -130,7 +130,7 @@ class ControlServer:
             return {"ok": True, "slot": slot, "path": str(self.state.root / slot)}
         if op == "abort":
             job, role, slot = _name(msg["job"]), _name(msg["role"]), str(msg["slot"])
-            self.state.slots.abort(job, role, slot)
+            self.state.slots.abandon(job, role, slot)
             conn.writing.discard((job, role, slot))
             return {"ok": True}
         if op == "commit":

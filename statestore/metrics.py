@@ -11,59 +11,66 @@ from statestore.data_cache import DataCache
 from statestore.slots import SlotStore
 
 
+Family = GaugeMetricFamily | CounterMetricFamily
+_GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
+
+
+def _families(labels: list[str], spec: dict[str, tuple[type[Family], str, str]]) -> dict[str, Family]:
+    return {key: kind(name, doc, labels=labels) for key, (kind, name, doc) in spec.items()}
+
+
+def _add(fams: dict[str, Family], labels: list[str], values: dict[str, float]) -> None:
+    for key, value in values.items():
+        fams[key].add_metric(labels, value)
+
+
 class _CacheCollector:
+    SPEC: dict[str, tuple[type[Family], str, str]] = {
+        "bytes": (_GAUGE, "ffplane_cache_bytes", "Bytes of cached batches"),
+        "steps": (_GAUGE, "ffplane_cache_steps", "Cached steps"),
+        "readers": (_GAUGE, "ffplane_cache_readers", "Attached local readers"),
+        "lag": (_GAUGE, "ffplane_cache_prefetch_lag_steps", "Steps of the prefetch window not yet cached"),
+        "hits": (_COUNTER, "ffplane_cache_hits", "Reader requests served from cache"),
+        "misses": (_COUNTER, "ffplane_cache_misses", "Reader requests that waited for a fetch"),
+        "wait": (_COUNTER, "ffplane_cache_reader_wait_seconds", "Time readers waited for batches"),
+    }
+
     def __init__(self, cache: DataCache) -> None:
         self.cache = cache
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["job", "dp_rank"]
-        fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
-            "bytes": GaugeMetricFamily("ffplane_cache_bytes", "Bytes of cached batches", labels=labels),
-            "steps": GaugeMetricFamily("ffplane_cache_steps", "Cached steps", labels=labels),
-            "readers": GaugeMetricFamily("ffplane_cache_readers", "Attached local readers", labels=labels),
-            "lag": GaugeMetricFamily("ffplane_cache_prefetch_lag_steps", "Steps of the prefetch window not yet cached", labels=labels),
-            "hits": CounterMetricFamily("ffplane_cache_hits", "Reader requests served from cache", labels=labels),
-            "misses": CounterMetricFamily("ffplane_cache_misses", "Reader requests that waited for a fetch", labels=labels),
-            "wait": CounterMetricFamily("ffplane_cache_reader_wait_seconds", "Time readers waited for batches", labels=labels),
-        }
+        fams = _families(["job", "dp_rank"], self.SPEC)
         for stream in list(self.cache.streams.values()):
             d = stream.describe(self.cache.config.window)
-            lv = [stream.job, str(stream.dp_rank)]
-            fams["bytes"].add_metric(lv, d["bytes"])
-            fams["steps"].add_metric(lv, len(d["steps"]))
-            fams["readers"].add_metric(lv, d["readers"])
-            fams["lag"].add_metric(lv, d["prefetch_lag_steps"])
-            fams["hits"].add_metric(lv, d["hits"])
-            fams["misses"].add_metric(lv, d["misses"])
-            fams["wait"].add_metric(lv, d["reader_wait_s"])
+            _add(fams, [stream.job, str(stream.dp_rank)], {
+                "bytes": d["bytes"], "steps": len(d["steps"]), "readers": d["readers"], "lag": d["prefetch_lag_steps"],
+                "hits": d["hits"], "misses": d["misses"], "wait": d["reader_wait_s"],
+            })  # fmt: skip
         yield from fams.values()
         yield CounterMetricFamily("ffplane_cache_fetched_bytes", "Bytes fetched from the data server", value=self.cache.bytes_fetched)
         yield GaugeMetricFamily("ffplane_cache_budget_bytes", "Configured shared-memory budget", value=self.cache.config.budget_bytes)
 
 
 class _StateCollector:
+    SPEC: dict[str, tuple[type[Family], str, str]] = {
+        "slot": (_GAUGE, "ffplane_state_slot_bytes", "Bytes reserved per slot"),
+        "versions": (_GAUGE, "ffplane_state_committed_versions", "Committed versions held"),
+        "step": (_GAUGE, "ffplane_state_newest_step", "Newest committed step"),
+        "shard": (_GAUGE, "ffplane_state_shard_bytes", "Bytes of the newest shard (after the razor)"),
+        "block": (_GAUGE, "ffplane_state_save_block_seconds", "Blocking part of the newest save"),
+        "commit": (_GAUGE, "ffplane_state_commit_seconds", "Checksum + index of the newest commit"),
+    }
+
     def __init__(self, slots: SlotStore) -> None:
         self.slots = slots
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["job", "role"]
-        fams = {
-            "slot": GaugeMetricFamily("ffplane_state_slot_bytes", "Bytes reserved per slot", labels=labels),
-            "versions": GaugeMetricFamily("ffplane_state_committed_versions", "Committed versions held", labels=labels),
-            "step": GaugeMetricFamily("ffplane_state_newest_step", "Newest committed step", labels=labels),
-            "shard": GaugeMetricFamily("ffplane_state_shard_bytes", "Bytes of the newest shard (after the razor)", labels=labels),
-            "block": GaugeMetricFamily("ffplane_state_save_block_seconds", "Blocking part of the newest save", labels=labels),
-            "commit": GaugeMetricFamily("ffplane_state_commit_seconds", "Checksum + index of the newest commit", labels=labels),
-        }
+        fams = _families(["job", "role"], self.SPEC)
         for rs in list(self.slots.roles.values()):
-            lv = [rs.job, rs.role]
-            fams["slot"].add_metric(lv, rs.size)
-            fams["versions"].add_metric(lv, len(rs.versions))
+            values: dict[str, float] = {"slot": rs.size, "versions": len(rs.versions)}
             for v in rs.newest(1):
-                fams["step"].add_metric(lv, v.step)
-                fams["shard"].add_metric(lv, v.nbytes)
-                fams["block"].add_metric(lv, v.save_block_s)
-                fams["commit"].add_metric(lv, v.commit_s)
+                values |= {"step": v.step, "shard": v.nbytes, "block": v.save_block_s, "commit": v.commit_s}
+            _add(fams, [rs.job, rs.role], values)
         yield from fams.values()
 
 

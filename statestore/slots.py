@@ -177,12 +177,9 @@ class SlotStore:
         rs.writing[slot] = step
         return slot
 
-    def abort(self, job: str, role: str, slot: str) -> None:
-        """The writer gave up on a save it began (an error after ``begin``): free the slot."""
-        self.abandon(job, role, slot)
-
     def abandon(self, job: str, role: str, slot: str) -> None:
-        """The writer went away before committing: the slot is free again (it holds no version)."""
+        """The writer went away or gave up before committing: the slot is free again (it holds
+        no version)."""
         rs = self.roles.get((job, role))
         if rs is not None:
             rs.writing.pop(slot, None)

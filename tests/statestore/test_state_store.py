@@ -27,6 +27,15 @@ def _equal(a: object, b: object) -> bool:
     return a == b
 
 
+def _save(cks: list[Checkpointer], steps: tuple[int, ...] | range) -> None:
+    """Every checkpointer saves every step (the test state of that step), then commits and closes."""
+    for step in steps:
+        for ck in cks:
+            ck.save(step, _state(step))
+    for ck in cks:
+        ck.close()
+
+
 def _pair(sock: Path, **kw: object) -> list[Checkpointer]:
     return [Checkpointer("job", Layout(dp=2, dp_rank=r), socket_path=sock, **kw) for r in range(2)]  # type: ignore[arg-type]
 
@@ -36,11 +45,7 @@ def test_razor_splits_replicated_state_and_restore_reassembles(start_daemon: Cal
     sock = shm_root / "daemon.sock"
     cks = _pair(sock)
     assert cks[0].restore() is None  # a fresh job
-    for step in range(3):
-        for ck in cks:
-            ck.save(step, _state(step))
-    for ck in cks:
-        ck.close()
+    _save(cks, range(3))
     roles = {r["role"]: r for r in httpx.get(daemon.url + "/v1/state").json()["roles"]}
     unique = roles["dp0-pp0-tp0"]["unique_bytes"]
     assert roles["dp0-pp0-tp0"]["razored_bytes"] + roles["dp1-pp0-tp0"]["razored_bytes"] == unique
@@ -81,12 +86,7 @@ def test_restore_into_existing_tensors(start_daemon: Callable[..., Proc], shm_ro
 def test_corrupt_slot_falls_back_to_the_older_version_for_every_role(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     daemon = start_daemon()
     sock = shm_root / "daemon.sock"
-    cks = _pair(sock)
-    for step in (10, 11):
-        for ck in cks:
-            ck.save(step, _state(step))
-    for ck in cks:
-        ck.close()
+    _save(_pair(sock), (10, 11))
     newest = next(r for r in httpx.get(daemon.url + "/v1/state").json()["roles"] if r["role"] == "dp1-pp0-tp0")["versions"][0]
     assert newest["step"] == 11
     with open(shm_root / newest["slot"], "r+b") as f:  # flip bytes in the middle of the shard
@@ -100,10 +100,7 @@ def test_corrupt_slot_falls_back_to_the_older_version_for_every_role(start_daemo
 def test_all_memory_copies_corrupt_uses_the_durable_tier(tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     daemon = start_daemon("--durable-dir", str(tmp_path / "durable"), "--durable-every", "2")
     sock = shm_root / "daemon.sock"
-    ck = Checkpointer("job", socket_path=sock)
-    for step in range(4):  # steps 0 and 2 go to the durable tier
-        ck.save(step, _state(step))
-    ck.close()
+    _save([Checkpointer("job", socket_path=sock)], range(4))  # steps 0 and 2 go to the durable tier
     for v in next(iter(httpx.get(daemon.url + "/v1/state").json()["roles"]))["versions"]:
         (shm_root / v["slot"]).write_bytes(b"\0" * v["nbytes"])  # same size, wrong bytes
     got = Checkpointer("job", socket_path=sock).restore()
@@ -117,12 +114,7 @@ def test_all_memory_copies_corrupt_uses_the_durable_tier(tmp_path: Path, start_d
 def test_daemon_sigkilled_and_restarted_serves_every_committed_version(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     daemon = start_daemon()
     sock = shm_root / "daemon.sock"
-    cks = _pair(sock)
-    for step in (20, 21):
-        for ck in cks:
-            ck.save(step, _state(step))
-    for ck in cks:
-        ck.close()
+    _save(_pair(sock), (20, 21))
     before = httpx.get(daemon.url + "/v1/state").json()["roles"]
     daemon.kill(signal.SIGKILL)
     restarted = start_daemon()
@@ -269,10 +261,7 @@ def test_failures_do_not_poison_later_saves_or_restores(start_daemon: Callable[.
 
 def test_every_copy_corrupt_and_no_durable_tier_is_an_error_not_a_fresh_start(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     daemon = start_daemon()
-    ck = Checkpointer("lost", socket_path=shm_root / "daemon.sock")
-    for step in (1, 2):
-        ck.save(step, _state(step))
-    ck.close()
+    _save([Checkpointer("lost", socket_path=shm_root / "daemon.sock")], (1, 2))
     for v in httpx.get(daemon.url + "/v1/state").json()["roles"][0]["versions"]:
         (shm_root / v["slot"]).write_bytes(b"\1" * v["nbytes"])
     from trainer_client import CorruptError
