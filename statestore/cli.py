@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from statestore.config import DaemonConfig
+from statestore.link_gate import GateConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +28,13 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--durable-every", type=int, default=d.durable_every, help="copy committed shards to --durable-dir every N steps (0 = off)")
     srv.add_argument("--node-id", default="", help="this node's name in the ring (default: host name)")
     srv.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)
+    srv.add_argument("--no-replicate", action="store_true", help="do not push commits to the ring successor")
+    g = d.gate
+    srv.add_argument("--gate-rate-cap-mbit", type=float, default=0.0, help="cap on all STATE traffic, Mbit/s (0 = none)")
+    srv.add_argument("--gate-iface", default=g.iface, help="training NIC whose byte counters close the gate (default: off)")
+    srv.add_argument("--gate-link-mbit", type=float, default=0.0, help="that NIC's rate, Mbit/s")
+    srv.add_argument("--gate-chunk-kb", type=int, default=g.chunk_bytes >> 10, help="STATE moves in chunks of this size")
+    srv.add_argument("--no-gate", action="store_true", help="let STATE traffic through regardless of TRAIN (for baselines)")
     srv.add_argument("--token-file", default=None, help="job token (else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN)")
     srv.add_argument("--ready-file", default=None)
     srv.add_argument("--log-level", default=d.log_level)
@@ -53,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         durable_every=args.durable_every,
         node_id=args.node_id,
         heartbeat_s=args.heartbeat_s,
+        replicate=not args.no_replicate,
+        gate=GateConfig(
+            rate_cap_bytes_s=args.gate_rate_cap_mbit * 1e6 / 8,
+            iface=args.gate_iface,
+            link_bytes_s=args.gate_link_mbit * 1e6 / 8,
+            chunk_bytes=args.gate_chunk_kb << 10,
+            enabled=not args.no_gate,
+        ),
         token_file=args.token_file,
         ready_file=args.ready_file,
         log_level=args.log_level,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from statestore.link_gate import GateConfig
 
 DEFAULT_ROOT = Path("/dev/shm/ffplane")
 SOCKET_NAME = "daemon.sock"
@@ -24,6 +26,8 @@ class DaemonConfig:
     durable_every: int = 0  # copy committed shards there every N steps; 0 = off
     node_id: str = ""  # this node's name in the ring; default: the host name
     heartbeat_s: float = 1.0  # coordinator heartbeat period
+    replicate: bool = True  # push every commit to the ring successor
+    gate: GateConfig = field(default_factory=GateConfig)  # when STATE may use the network
     token_file: str | None = None  # else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN
     ready_file: str | None = None
     log_level: str = "info"
@@ -47,5 +51,6 @@ class DaemonConfig:
             raise ValueError(f"fetch_concurrency must be >= 1, got {self.fetch_concurrency}")
         if self.durable_every < 0 or (self.durable_every and self.durable_dir is None):
             raise ValueError("durable_every needs durable_dir and must be >= 0")
+        self.gate.validate()
         if self.budget_bytes < 1 << 20:
             raise ValueError(f"budget_bytes must be >= 1 MiB, got {self.budget_bytes}")

@@ -27,6 +27,7 @@ from typing import Any
 
 from statestore.data_cache import DataCache, FetchError, Stream
 from statestore.heartbeat import Heartbeat
+from statestore.names import check_name, check_step
 from statestore.state_service import StateService
 from statestore.slots import SlotError
 
@@ -96,7 +97,7 @@ class ControlServer:
     async def _handle(self, rid: int, msg: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         op = msg.get("op")
         if op == "open":
-            job, dp_rank = _name(msg["job"]), int(msg["dp_rank"])
+            job, dp_rank = check_name(msg["job"]), int(msg["dp_rank"])
             if dp_rank < 0:
                 raise ValueError(f"invalid dp_rank {dp_rank}")
             if conn.stream is not None:
@@ -117,35 +118,41 @@ class ControlServer:
         if op == "invalidate":
             if conn.stream is None:
                 raise ValueError("send 'open' before 'invalidate'")
-            self.cache.invalidate(conn.stream, _step(msg["step"]))
+            self.cache.invalidate(conn.stream, check_step(msg["step"]))
             return {"ok": True}
         if op == "alloc":
-            paths = await self.state.slots.alloc(_name(msg["job"]), _name(msg["role"]), int(msg["nbytes"]))
+            paths = await self.state.slots.alloc(check_name(msg["job"]), check_name(msg["role"]), int(msg["nbytes"]))
             return {"ok": True, "paths": [str(self.state.root / p) for p in paths]}
         if op == "begin":
-            job, role, step = _name(msg["job"]), _name(msg["role"]), _step(msg["step"])
+            job, role, step = check_name(msg["job"]), check_name(msg["role"]), check_step(msg["step"])
             slot = self.state.begin(job, role, step)
             self._register(rid, conn, job=job, role=role)
             conn.writing.add((job, role, slot))
             return {"ok": True, "slot": slot, "path": str(self.state.root / slot)}
         if op == "abort":
-            job, role, slot = _name(msg["job"]), _name(msg["role"]), str(msg["slot"])
+            job, role, slot = check_name(msg["job"]), check_name(msg["role"]), str(msg["slot"])
             self.state.slots.abandon(job, role, slot)
             conn.writing.discard((job, role, slot))
             return {"ok": True}
         if op == "commit":
-            job, role, slot = _name(msg["job"]), _name(msg["role"]), str(msg["slot"])
+            job, role, slot = check_name(msg["job"]), check_name(msg["role"]), str(msg["slot"])
             if not isinstance(msg.get("header"), dict):
                 raise ValueError("commit needs a JSON object 'header'")
-            version = await self.state.commit(job, role, _step(msg["step"]), slot, int(msg["nbytes"]), msg["header"], float(msg.get("save_block_s", 0.0)))
+            version = await self.state.commit(job, role, check_step(msg["step"]), slot, int(msg["nbytes"]), msg["header"], float(msg.get("save_block_s", 0.0)))
             conn.writing.discard((job, role, slot))
             return {"ok": True, "checksum": version.checksum}
         if op == "restorable":
             below = msg.get("below")
-            found = await self.state.restorable(_name(msg["job"]), bool(msg.get("verify", True)), None if below is None else int(below))
+            roles, at = msg.get("roles"), msg.get("step")
+            found = await self.state.restorable(
+                check_name(msg["job"]), bool(msg.get("verify", True)), None if below is None else int(below),
+                None if roles is None else [check_name(r) for r in roles], None if at is None else check_step(at),
+            )
             return {"ok": True, **found}
         if op == "verify":
-            return {"ok": True, "intact": await self.state.verify(_name(msg["job"]), int(msg["step"]))}
+            roles = msg.get("roles")
+            intact = await self.state.verify(check_name(msg["job"]), check_step(msg["step"]), None if roles is None else [check_name(r) for r in roles])
+            return {"ok": True, "intact": intact}
         if op == "ping":
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}; expected open, get, invalidate, alloc, begin, abort, commit, restorable, verify or ping")
@@ -189,17 +196,3 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _step(value: object) -> int:
-    step = int(value)  # type: ignore[call-overload]
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return step
-
-
-def _name(value: object) -> str:
-    name = str(value)
-    if not name or "/" in name or name.startswith(".") or len(name) > 128:
-        raise ValueError(f"invalid name {name!r}")
-    return name

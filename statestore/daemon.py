@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import IO, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 
 from dataserver.httpserver import BearerAuth
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -16,11 +16,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.control import ControlServer
+from statestore.names import check_name, check_step
 from statestore.heartbeat import Heartbeat
 from statestore.data_cache import DataCache
 from statestore.index import Index
 from statestore.metrics import registry_for
-from statestore.slots import SlotStore
+from statestore.link_gate import LinkGate
+from statestore.replicas import ReplicaStore
+from statestore.replication import LocalShard, Replicator, _Peers
+from statestore.slots import SlotError, SlotStore
 from statestore.state_service import DurableConfig, StateService
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,7 @@ class Daemon:
         self.state: StateService | None = None
         self.control: ControlServer | None = None
         self.heartbeat: Heartbeat | None = None
+        self.gate: LinkGate | None = None
         self.address = ""  # the ops/peer base URL, once bound
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -51,20 +56,33 @@ class Daemon:
         self.cache = DataCache(self.config, self.index, self.token)
         kept, dropped = self.cache.reattach()
         cache = self.cache
-        slots = SlotStore(root, self.index, self.config.budget_bytes, cache.cached_bytes)
-        cache.other_bytes = slots.slot_bytes
+        budget = self.config.budget_bytes
+        replicas = ReplicaStore(root, self.index, lambda: budget - cache.cached_bytes() - slots.slot_bytes() - replicas.held_bytes())
+        slots = SlotStore(root, self.index, budget, lambda: cache.cached_bytes() + replicas.held_bytes())
+        cache.other_bytes = lambda: slots.slot_bytes() + replicas.held_bytes()
         versions = slots.reattach()
-        self.state = StateService(root, slots, DurableConfig(self.config.durable_dir, self.config.durable_every))
-        shm.check_room(root, self.config.budget_bytes, already_ours=cache.cached_bytes() + slots.slot_bytes())
-        log.info("root ready", extra={"root": str(root), "reattached_steps": kept, "reattached_versions": versions, "dropped": dropped, "stale_tmp": stale})
+        held = replicas.reattach()
+        self.state = StateService(root, slots, replicas, DurableConfig(self.config.durable_dir, self.config.durable_every), self.config.node_id)
+        shm.check_room(root, budget, already_ours=cache.cached_bytes() + slots.slot_bytes() + replicas.held_bytes())
+        log.info("root ready", extra={"root": str(root), "reattached_steps": kept, "reattached_versions": versions, "reattached_replicas": held, "dropped": dropped, "stale_tmp": stale})
 
     async def start(self) -> None:
         assert self.cache is not None
+        self.gate = LinkGate(self.config.gate, self.config.root)
+        self.cache.gate = self.gate
         await self.cache.start()
         assert self.state is not None
-        self.heartbeat = Heartbeat(self.config, self.state.slots, self.token)
+        state = self.state
+        self.heartbeat = Heartbeat(self.config, state.slots, self.token)
+        self.heartbeat.replicas = state.replicas
         self.heartbeat.address = self.address
-        self.control = ControlServer(self.cache, self.state, self.config.socket_path, self.heartbeat)
+        state.peers = _Peers(self.gate, self.token)
+        await state.peers.start()
+        state.dataserver, state.token = self.config.dataserver, self.token
+        if self.config.replicate:
+            state.replicator = Replicator(self.config.node_id, state.slots, state.replicas, self.heartbeat, state.peers)
+            self._tasks.append(asyncio.create_task(state.replicator.run(), name="replicator"))
+        self.control = ControlServer(self.cache, state, self.config.socket_path, self.heartbeat)
         await self.control.start()
         self._tasks.append(asyncio.create_task(self.heartbeat.run(), name="heartbeat"))
         log.info("control socket ready", extra={"socket": str(self.config.socket_path)})
@@ -78,7 +96,12 @@ class Daemon:
             await self.cache.close()
         if self.state is not None:
             await self.state.close()
+            if self.state.peers is not None:
+                await self.state.peers.close()
             self.state.slots.close()
+            self.state.replicas.close()
+        if self.gate is not None:
+            self.gate.close()
         if self.index is not None:
             self.index.close()
         if self._lock is not None:
@@ -127,24 +150,82 @@ def create_app(daemon: Daemon) -> FastAPI:
             "node_id": daemon.config.node_id,
             "coordinator": daemon.heartbeat.view if daemon.heartbeat else {},
             "roles": slots.describe(),
+            "replicas": daemon.state.replicas.describe(),
+            "replication": daemon.state.replicator.describe() if daemon.state.replicator else None,
+            "pulled_bytes": daemon.state.pulled_bytes,
         }
 
-    @app.get("/v1/state/{job}/{role}/{step}/shard", dependencies=[Depends(BearerAuth(daemon.token))])
-    async def shard(job: str, role: str, step: int) -> Response:
-        """The raw bytes of a committed shard (needs the job's token)."""
+    needs_token = [Depends(BearerAuth(daemon.token))]
+
+    def _held(job: str, role: str, step: int) -> LocalShard:
         assert daemon.state is not None
-        slots = daemon.state.slots
-        rs = slots.roles.get((job, role))
-        version = rs.versions.get(step) if rs else None
-        if rs is None or version is None:
-            raise HTTPException(404, f"no committed shard of {role} at step {step} in job {job!r}")
-        view = memoryview(slots.mapped(version.path))[: version.nbytes]
-        data = await asyncio.to_thread(bytes, view)
+        shard = daemon.state.local(job, role, step)
+        if shard is None:
+            raise HTTPException(404, f"no committed shard or replica of {role} at step {step} in job {job!r} on this node")
+        return shard
+
+    @app.get("/v1/state/{job}/{role}/{step}", dependencies=needs_token)
+    def shard_meta(job: str, role: str, step: int) -> dict[str, Any]:
+        """Size, checksum and header of a shard held here (peer API)."""
+        return _held(job, role, step).meta()
+
+    @app.get("/v1/state/{job}/{role}/{step}/shard", dependencies=needs_token)
+    async def shard(job: str, role: str, step: int, offset: int = 0, length: int | None = None) -> Response:
+        """The raw bytes of a shard held here, or ``length`` of them from ``offset`` (peer API)."""
+        held = _held(job, role, step)
+        end = held.nbytes if length is None else offset + length
+        if not 0 <= offset <= end <= held.nbytes:
+            raise HTTPException(416, f"range {offset}..{end} is outside the shard's {held.nbytes} bytes")
+        data = await asyncio.to_thread(bytes, held.view()[offset:end])
         # A save reusing this slot first drops the version (on this event loop); if the version
         # is still there after the copy, no byte of it changed meanwhile.
-        if rs.versions.get(step) is not version:
+        if not held.current():
             raise HTTPException(409, f"step {step} of {role} was replaced while being read; ask again")
-        return Response(data, media_type="application/octet-stream", headers={"X-FFplane-Checksum": version.checksum})
+        return Response(data, media_type="application/octet-stream", headers={"X-FFplane-Checksum": held.checksum})
+
+    def _replica_call(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except SlotError as exc:
+            raise HTTPException(exc.status, str(exc)) from exc
+
+    @app.post("/v1/replicas/{job}/{role}/{step}/begin", dependencies=needs_token)
+    async def replica_begin(job: str, role: str, step: int, request: Request) -> dict[str, Any]:
+        """Start or resume receiving a replica; answers the offset to send from (peer API)."""
+        assert daemon.state is not None
+        try:
+            meta = await request.json()
+            args = (check_name(job), check_name(role), check_step(step), int(meta["nbytes"]), str(meta["checksum"]), dict(meta["header"]), str(meta["source"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HTTPException(422, f"replica begin needs JSON nbytes, checksum, header and source: {exc}") from exc
+        return {"received": _replica_call(daemon.state.replicas.begin, *args)}
+
+    @app.put("/v1/replicas/{job}/{role}/{step}", dependencies=needs_token)
+    async def replica_chunk(job: str, role: str, step: int, offset: int, request: Request) -> dict[str, Any]:
+        """One chunk of a replica at ``offset`` (peer API)."""
+        assert daemon.state is not None
+        data = await request.body()
+        try:
+            return {"received": await daemon.state.replicas.write(job, role, step, offset, data)}
+        except SlotError as exc:
+            raise HTTPException(exc.status, str(exc)) from exc
+
+    @app.post("/v1/replicas/{job}/{role}/{step}/commit", dependencies=needs_token)
+    async def replica_commit(job: str, role: str, step: int, newest: int | None = None) -> dict[str, Any]:
+        """Verify the whole replica's checksum and make it count; ``newest`` is the sender's newest
+        committed step of the role (replicas above it are dropped) (peer API)."""
+        assert daemon.state is not None
+        try:
+            r = await daemon.state.replicas.finish(job, role, step, newest)
+        except SlotError as exc:
+            raise HTTPException(exc.status, str(exc)) from exc
+        return {"ok": True, "checksum": r.checksum}
+
+    @app.get("/v1/gate")
+    def gate() -> dict[str, Any]:
+        """The link gate: open or why closed, STATE bytes sent through it by priority, time paused."""
+        assert daemon.gate is not None
+        return daemon.gate.describe()
 
     registry = None
 

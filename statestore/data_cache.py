@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -25,6 +25,7 @@ import aiohttp
 from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.index import Index
+from statestore.link_gate import LinkGate, Priority
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class Stream:
 _WRITE_BATCH = 1 << 20
 
 
-async def _copy_body(resp: aiohttp.ClientResponse, fd: int) -> int:
+async def _copy_body(resp: aiohttp.ClientResponse, fd: int, admit: Callable[[int], Awaitable[None]] | None = None) -> int:
     """Write the body to ``fd`` as it arrives; returns its size.
 
     Chunks are taken as aiohttp buffered them (``iter_chunks`` pops them; ``iter_any`` would
@@ -107,6 +108,8 @@ async def _copy_body(resp: aiohttp.ClientResponse, fd: int) -> int:
     write: asyncio.Future[None] | None = None
     try:
         async for chunk, _ in resp.content.iter_chunks():
+            if admit is not None:  # the link gate: while TRAIN runs, stop reading (TCP backs off)
+                await admit(len(chunk))
             pending.append(chunk)
             size += len(chunk)
             if size - written >= _WRITE_BATCH or len(pending) >= 512:
@@ -150,6 +153,7 @@ class DataCache:
         self._session: aiohttp.ClientSession | None = None
         self.bytes_fetched = 0
         self.other_bytes: Callable[[], int] = lambda: 0  # shared memory the state slots hold
+        self.gate: LinkGate | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
     def reattach(self) -> tuple[int, int]:
@@ -309,7 +313,7 @@ class DataCache:
                     raise FetchError(f"data server answered {resp.status} for {stream.key} step {step}: {detail}", resp.status)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    nbytes = await _copy_body(resp, fd)
+                    nbytes = await _copy_body(resp, fd, None if self.gate is None else lambda n: self._admit(stream, step, n))
                 finally:
                     os.close(fd)
         except aiohttp.ClientError as exc:
@@ -325,6 +329,11 @@ class DataCache:
         self.index.put(_index_key(stream.job, stream.dp_rank, step), {"file": str(final.relative_to(self.config.root)), "nbytes": nbytes})
         self.bytes_fetched += nbytes
         return CachedStep(final, nbytes)
+
+    async def _admit(self, stream: Stream, step: int, nbytes: int) -> None:
+        assert self.gate is not None
+        needed = stream.readers and step <= max(stream.readers.values()) + 1
+        await self.gate.acquire(Priority.NEXT_BATCH if needed else Priority.PREFETCH, nbytes)
 
     def invalidate(self, stream: Stream, step: int) -> None:
         """Drop a cached step a reader found stale (planned before a new generation): this and

@@ -1,4 +1,5 @@
-"""The state half of the daemon: slots, commits, the durable tier and the restorable step."""
+"""The state half of the daemon: slots, commits, replication, the durable tier and the
+restorable step — local, or job-wide through the coordinator, pulling what is not here."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from statestore import durable
-from statestore.slots import SlotStore, Version
+from statestore.checksum import checksum
+from statestore.replicas import ReplicaStore
+from statestore.replication import LocalShard, PeerError, Replicator, _Peers, find_local
+from statestore.slots import SlotError, SlotStore, Version
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +30,20 @@ class DurableConfig:
 
 
 class StateService:
-    def __init__(self, root: Path, slots: SlotStore, durable_cfg: DurableConfig) -> None:
+    def __init__(self, root: Path, slots: SlotStore, replicas: ReplicaStore, durable_cfg: DurableConfig, node_id: str = "") -> None:
         self.root = root
         self.slots = slots
+        self.replicas = replicas
         self.durable = durable_cfg
+        self.node_id = node_id
+        self.replicator: Replicator | None = None  # set once the daemon runs (needs the ring)
+        self.peers: _Peers | None = None
+        self.dataserver = ""  # coordinator base URL, for job-wide restores
+        self.token: str | None = None
         self._pinned: dict[str, int] = {}  # slot path → durable writes in progress
         self._tasks: set[asyncio.Task[None]] = set()
         self.durable_written = 0
+        self.pulled_bytes = 0
 
     def begin(self, job: str, role: str, step: int) -> str:
         # a slot still being copied to the durable tier must not be overwritten
@@ -38,6 +51,8 @@ class StateService:
 
     async def commit(self, job: str, role: str, step: int, slot: str, nbytes: int, header: dict[str, Any], save_block_s: float) -> Version:
         version = await self.slots.commit(job, role, step, slot, nbytes, header, save_block_s)
+        if self.replicator is not None:
+            self.replicator.committed(job, role, step)
         if self.durable.due(step):
             self._pinned[slot] = self._pinned.get(slot, 0) + 1
             task = asyncio.create_task(self._write_durable(job, role, version), name=f"durable {job}/{role}/{step}")
@@ -58,26 +73,122 @@ class StateService:
             if not self._pinned[v.path]:
                 del self._pinned[v.path]
 
-    async def verify(self, job: str, step: int) -> bool:
-        versions = self.slots.versions_at(job, step)
-        return bool(versions) and await self.slots.verify_step(versions)
+    def local(self, job: str, role: str, step: int) -> LocalShard | None:
+        return find_local(self.slots, self.replicas, job, role, step)
 
-    async def restorable(self, job: str, verify: bool = True, below: int | None = None) -> dict[str, Any]:
-        step, versions = await self.slots.restorable(job, verify, below)
+    async def verify(self, job: str, step: int, roles: list[str] | None = None) -> bool:
+        """Whether the shards of ``roles`` (default: every role saving here) at ``step`` are intact."""
+        if roles is None:
+            versions = self.slots.versions_at(job, step)
+            return bool(versions) and await self.slots.verify_step(versions)
+        shards = [self.local(job, r, step) for r in roles]
+        if any(s is None for s in shards):
+            return False
+        results = await asyncio.gather(*(asyncio.to_thread(_intact, s) for s in shards if s is not None))
+        return all(results)
+
+    # --- restore -------------------------------------------------------------------------
+    async def restorable(self, job: str, verify: bool = True, below: int | None = None, roles: list[str] | None = None, step: int | None = None) -> dict[str, Any]:
+        """The step to restore and where its shards are, on this node.
+
+        With ``roles`` (the asking worker's role and its dp peers) the step is job-wide: the
+        coordinator's view of every daemon's inventory picks the newest step every role of the job
+        has somewhere alive, and the shards of ``roles`` that are not here are pulled first. Without
+        a coordinator, or without ``roles``, only what this daemon holds counts.
+        """
+        if roles is not None and self.dataserver:
+            status = await self._job_status(job)
+            if status is not None:
+                return await self._restorable_jobwide(job, status, roles, below, step)
+        found_step, versions = await self.slots.restorable(job, verify, below)
+        if found_step is not None:
+            return {"step": found_step, "source": "memory", "shards": {r: self._shard_reply(self.local(job, r, found_step)) for r in versions}}
+        return await self._durable(job, set(roles or []) | {r for (j, r) in self.slots.roles if j == job}, "no intact copy in this daemon's memory")
+
+    async def _restorable_jobwide(self, job: str, status: dict[str, Any], roles: list[str], below: int | None, step: int | None) -> dict[str, Any]:
+        expected = set(status.get("roles", [])) | set(roles)
+        alive = {n: m["address"] for n, m in status.get("members", {}).items() if m.get("alive")}
+        where: dict[str, dict[int, list[str]]] = {
+            r: {int(s): [n for n in nodes if n in alive] for s, nodes in steps.items()} for r, steps in status.get("shard_locations", {}).items()
+        }
+        for r in expected:  # what is here counts even if the coordinator has not heard of it yet
+            for s in self._local_steps(job, r):
+                where.setdefault(r, {}).setdefault(s, []).insert(0, self.node_id)
+        have = [{s for s, nodes in where.get(r, {}).items() if nodes} for r in expected]
+        common = set.intersection(*have) if have else set()
         if step is not None:
-            shards = {
-                role: {"path": str(self.root / v.path), "offset": 0, "nbytes": v.nbytes, "checksum": v.checksum, "header": v.header}
-                for role, v in versions.items()
-            }
-            return {"step": step, "source": "memory", "shards": shards}
+            candidates = [step] if step in common else []
+        else:
+            candidates = sorted((s for s in common if below is None or s < below), reverse=True)
+        if not candidates:
+            if not any(have):  # nothing in memory anywhere: a fresh job, or one restarted from disk
+                return await self._durable(job, expected, f"no copy of job {job!r} in memory on any live node")
+            lost = sorted(r for r, h in zip(expected, have) if not h)
+            dead = status.get("dead", [])
+            reason = (
+                f"no step of job {job!r} has every role in memory on a live node (roles without any copy: {lost or 'none'}; "
+                f"dead nodes: {dead}); a node and its ring successor were probably lost together"
+            )
+            return await self._durable(job, expected, reason)
+        chosen = candidates[0]
+        shards = {}
+        for r in roles:
+            shard = self.local(job, r, chosen)
+            if shard is None:
+                shard = await self._pull(job, r, chosen, [(n, alive[n]) for n in where[r][chosen] if n != self.node_id])
+            shards[r] = self._shard_reply(shard)
+        return {"step": chosen, "source": "memory", "shards": shards}
+
+    def _local_steps(self, job: str, role: str) -> list[int]:
+        rs = self.slots.roles.get((job, role))
+        return sorted(set(rs.versions if rs else []) | set(self.replicas.complete.get((job, role), {})))
+
+    async def _pull(self, job: str, role: str, step: int, holders: list[tuple[str, str]]) -> LocalShard:
+        assert self.peers is not None
+        errors = []
+        for node, base in holders:
+            try:
+                r = await self.peers.pull(base, self.replicas, job, role, step, node)
+                self.pulled_bytes += r.nbytes
+                log.info("shard pulled for a restore", extra={"job": job, "role": role, "step": step, "from": base, "bytes": r.nbytes})
+                shard = self.local(job, role, step)
+                assert shard is not None
+                return shard
+            except (PeerError, SlotError) as exc:
+                errors.append(f"{base}: {exc}")
+        raise SlotError(f"cannot fetch {role} step {step} of job {job!r} from any holder ({'; '.join(errors) or 'no live holder'}); retry once the coordinator has noticed the failure", 503)
+
+    async def _durable(self, job: str, roles: set[str], reason: str) -> dict[str, Any]:
         if self.durable.directory is not None:
-            roles = {r for (j, r) in self.slots.roles if j == job}
             dstep, dshards = await asyncio.to_thread(durable.restorable, self.durable.directory, job, roles)
             if dstep is not None:
-                log.warning("no intact copy in memory: restoring from the durable tier", extra={"job": job, "step": dstep})
-                return {"step": dstep, "source": "durable", "shards": dshards}
-        return {"step": None, "source": None, "shards": {}}
+                message = f"{reason}: restoring step {dstep} from the durable tier {self.durable.directory}"
+                log.warning(message, extra={"job": job, "step": dstep})
+                return {"step": dstep, "source": "durable", "shards": dshards, "message": message}
+        return {"step": None, "source": None, "shards": {}, "message": reason}
+
+    def _shard_reply(self, shard: LocalShard | None) -> dict[str, Any]:
+        assert shard is not None
+        return {"path": str(self.root / shard.rel), "offset": 0, "nbytes": shard.nbytes, "checksum": shard.checksum, "header": shard.header, "kind": shard.kind}
+
+    async def _job_status(self, job: str) -> dict[str, Any] | None:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
+                async with session.get(f"{self.dataserver}/v1/jobs/{job}/status", headers=headers) as resp:
+                    if resp.status != 200:
+                        log.warning("coordinator answered %s; restoring from this node only", resp.status)
+                        return None
+                    status: dict[str, Any] = await resp.json()
+                    return status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("coordinator unreachable (%s); restoring from this node only", exc)
+            return None
 
     async def close(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _intact(shard: LocalShard) -> bool:
+    return checksum(shard.view()) == shard.checksum

@@ -225,7 +225,7 @@ class Checkpointer:
             inflight.result(timeout=self.timeout_s)
 
     # --- restore -------------------------------------------------------------------------
-    def restore(self, into: Any = None, view: bool = False) -> Restored | None:
+    def restore(self, into: Any = None, view: bool = False, agree: bool = True) -> Restored | None:
         """The restorable step's state for this role, or None on a fresh job.
 
         * ``restore()``: fresh tensors, owned by the caller (one allocation per saved storage;
@@ -235,19 +235,37 @@ class Checkpointer:
         * ``restore(view=True)``: zero-copy views of the shards where a storage lies in one shard.
           Read-only by contract and valid only until this role's second save after the restore:
           the slot they map is then reused (a write to them stays private, copy-on-write).
+
+        The step is job-wide: the local daemon asks the coordinator for the newest step every
+        role has somewhere alive and pulls this role's shards (and its dp peers' razored pieces)
+        from other nodes if they are not local. With ``agree`` and an initialised
+        ``torch.distributed`` group, the ranks also take the minimum of their answers (a collective:
+        every rank must call ``restore``), so every role restores the same step.
         """
+        group = _group() if agree else None
         below: int | None = None
         while True:
             found = self._restorable(below)
+            if group is not None:
+                agreed = _all_min(-1 if found is None else found[0])
+                if agreed < 0:
+                    found = None
+                elif found is None or found[0] != agreed:
+                    found = self._restorable(below, step=agreed)
+                    if found is None:
+                        raise NotFoundError(f"the ranks agreed on step {agreed} but this daemon cannot provide it for role {self.role}")
             if found is None:
                 if below is not None:  # there were versions, and every one failed its checksum
                     raise CorruptError(f"no intact checkpoint of job {self.job!r} at or below step {below} for every role; all copies failed their checksums")
                 return None
             step, source, shards = found
-            # the daemon checks the checksums of every role's shard while we copy ours
-            intact = self._pool.submit(self._call, op="verify", job=self.job, step=step) if source == "memory" else None
+            # the daemon checks the checksums of the shards we use while we copy them
+            intact = self._pool.submit(self._call, op="verify", job=self.job, step=step, roles=sorted(shards)) if source == "memory" else None
             restored = self._load(step, source, shards, into, view)
-            if intact is None or intact.result(timeout=self.timeout_s)["intact"]:
+            ok = intact is None or bool(intact.result(timeout=self.timeout_s)["intact"])
+            if group is not None:
+                ok = _all_min(int(ok)) == 1
+            if ok:
                 return restored
             log.warning("step %d failed its checksum on some role; restoring an older step", step, extra={"job": self.job, "role": self.role})
             below = step
@@ -278,25 +296,40 @@ class Checkpointer:
         state = decode(header, storages, into, copy=lambda pairs: copy_all(pairs, pool, self.copy_threads))
         return Restored(step, state, source)
 
-    def _restorable(self, below: int | None) -> tuple[int, str, dict[str, Any]] | None:
+    def _restorable(self, below: int | None, step: int | None = None) -> tuple[int, str, dict[str, Any]] | None:
         try:
-            reply = self._call(op="restorable", job=self.job, verify=False, below=below)
+            reply = self._ask_restorable(below, step)
         except FFPlaneError as exc:
-            if self.durable_dir is None:
+            if self.durable_dir is None or getattr(exc, "status", None) == 503:
                 raise
             log.warning("no daemon answered (%s): restoring from the durable tier %s", exc, self.durable_dir)
-            from statestore import durable
-
-            step, shards = durable.restorable(self.durable_dir, self.job, set(self.layout.all_roles()))
-            return None if step is None else (step, "durable", shards)
+            return self._durable()
+        if reply.get("message"):
+            log.warning("%s", reply["message"], extra={"job": self.job, "role": self.role})
         if reply["step"] is None:
-            if self.durable_dir is not None:  # the daemon holds nothing usable: try our own copy
-                from statestore import durable
-
-                step, shards = durable.restorable(self.durable_dir, self.job, set(self.layout.all_roles()))
-                return None if step is None else (step, "durable", shards)
-            return None
+            return self._durable() if self.durable_dir is not None else None  # our own copy, if any
         return int(reply["step"]), str(reply["source"]), dict(reply["shards"])
+
+    def _ask_restorable(self, below: int | None, step: int | None) -> dict[str, Any]:
+        roles = sorted({self.role, *self.layout.dp_peers()})
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._call(op="restorable", job=self.job, verify=False, below=below, roles=roles, step=step)
+            except FFPlaneError as exc:
+                # 503: a node holding a shard we need did not answer — it may be dying, and the
+                # coordinator declares it dead within two seconds; then another copy is chosen
+                if getattr(exc, "status", None) != 503 or time.monotonic() > deadline:
+                    raise
+                log.warning("%s", exc, extra={"job": self.job, "role": self.role})
+                time.sleep(0.5)
+
+    def _durable(self) -> tuple[int, str, dict[str, Any]] | None:
+        from statestore import durable
+
+        assert self.durable_dir is not None
+        step, shards = durable.restorable(self.durable_dir, self.job, set(self.layout.all_roles()))
+        return None if step is None else (step, "durable", shards)
 
     def close(self) -> None:
         """Wait for the last commit, stop the commit thread, unmap slots; safe to call twice."""
@@ -314,6 +347,20 @@ class Checkpointer:
                 if self._client is not None:
                     self._client.close()
                     self._client = None
+
+
+def _group() -> Any:
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _all_min(value: int) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def _map_shard(shard: dict[str, Any]) -> torch.Tensor:

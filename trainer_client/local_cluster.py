@@ -129,6 +129,16 @@ class LocalCluster:
         self.daemons.append(proc)
         return proc
 
+    def lose_node(self, i: int) -> None:
+        """Node ``i`` is gone: its daemon SIGKILLed and its shared memory wiped (workers are the
+        caller's to kill). ``start_daemon(index=i)`` then brings up a replacement, empty."""
+        import shutil
+
+        for proc in self.daemons:
+            if proc.ready.get("node_id") == f"n{i}" or proc.ready.get("root") == str(self.roots[i]):
+                proc.kill()
+        shutil.rmtree(self.roots[i], ignore_errors=True)
+
     def socket(self, i: int = 0) -> Path:
         return self.roots[i] / "daemon.sock"
 

@@ -1,0 +1,236 @@
+"""Shards this daemon holds for roles that do not save here: replicas pushed by the ring
+predecessor and shards pulled for a restore.
+
+A shard arrives in chunks into ``<root>/<job>/replica/<role>/<step>.part``; the sender may stop
+and resume at the offset the receiver reports. Only when every byte is in and the whole-shard
+checksum matches is it renamed to ``.bin`` and recorded in the LMDB index — a replica counts
+(inventory, restore) only from then on. Two versions per role are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from statestore.checksum import checksum
+from statestore.index import Index
+from statestore.slots import KEEP_VERSIONS, SlotError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Replica:
+    job: str
+    role: str
+    step: int
+    path: str  # relative to the root
+    nbytes: int
+    checksum: str
+    header: dict[str, Any]
+    source: str  # the node it came from
+    kind: str = "replica"  # "replica" (pushed to us) or "pulled" (fetched for a restore)
+    complete_at: float = 0.0
+
+
+@dataclass
+class _Incoming:
+    meta: Replica
+    received: int = 0
+    touched: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _key(job: str, role: str, step: int) -> str:
+    return f"replica/{job}/{role}/{step:012d}"
+
+
+class ReplicaStore:
+    def __init__(self, root: Path, index: Index, free_bytes: Callable[[], int]) -> None:
+        self.root = root
+        self.index = index
+        self._free_bytes = free_bytes  # () -> budget left for anything new
+        self.complete: dict[tuple[str, str], dict[int, Replica]] = {}
+        self._incoming: dict[tuple[str, str, int], _Incoming] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self.received_bytes = 0
+
+    def reattach(self) -> int:
+        n = 0
+        for key, entry in self.index.items("replica/"):
+            r = Replica(**entry)
+            f = self.root / r.path
+            if f.is_file() and f.stat().st_size == r.nbytes:
+                self.complete.setdefault((r.job, r.role), {})[r.step] = r
+                n += 1
+            else:
+                self.index.delete(key)
+        for part in self.root.glob("*/replica/*/*.part"):  # senders restart those from zero
+            part.unlink(missing_ok=True)
+        return n
+
+    def held_bytes(self) -> int:
+        held = sum(r.nbytes for versions in self.complete.values() for r in versions.values())
+        return held + sum(i.meta.nbytes for i in self._incoming.values())
+
+    def get(self, job: str, role: str, step: int) -> Replica | None:
+        return self.complete.get((job, role), {}).get(step)
+
+    def newest(self, job: str, role: str, n: int = KEEP_VERSIONS) -> list[Replica]:
+        versions = self.complete.get((job, role), {})
+        return [versions[s] for s in sorted(versions, reverse=True)[:n]]
+
+    def mapped(self, rel: str) -> mmap.mmap:
+        mm = self._maps.get(rel)
+        if mm is None:
+            fd = os.open(self.root / rel, os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ) if os.fstat(fd).st_size else mmap.mmap(-1, 1)
+            finally:
+                os.close(fd)
+            self._maps[rel] = mm
+        return mm
+
+    # --- receiving -----------------------------------------------------------------------
+    def begin(self, job: str, role: str, step: int, nbytes: int, digest: str, header: dict[str, Any], source: str, kind: str = "replica") -> int:
+        """Start (or resume) receiving a shard; returns the offset to send from."""
+        if self.get(job, role, step) is not None and self.get(job, role, step).checksum == digest:  # type: ignore[union-attr]
+            return nbytes  # already here, complete and verified
+        self._purge()
+        key = (job, role, step)
+        inc = self._incoming.get(key)
+        if inc is not None and (inc.meta.checksum != digest or inc.meta.nbytes != nbytes):
+            self._drop_incoming(key)  # another version of the same step: start over
+            inc = None
+        if inc is None:
+            if nbytes > self._free_bytes():
+                raise SlotError(
+                    f"no room for a {nbytes / 2**20:.1f} MiB replica of {role} step {step}: "
+                    f"{max(self._free_bytes(), 0) / 2**20:.1f} MiB of the daemon's budget left; raise --budget-mb", 507,
+                )
+            rel = f"{job}/replica/{role}/{step:012d}"
+            (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (self.root / f"{rel}.part").write_bytes(b"")
+            inc = _Incoming(Replica(job, role, step, f"{rel}.bin", nbytes, digest, header, source, kind))
+            self._incoming[key] = inc
+        return inc.received
+
+    async def write(self, job: str, role: str, step: int, offset: int, data: bytes | memoryview) -> int:
+        inc = self._incoming.get((job, role, step))
+        if inc is None:
+            raise SlotError(f"no transfer of {role} step {step} in progress; send 'begin' first", 409)
+        async with inc.lock:
+            if offset != inc.received:
+                raise SlotError(f"chunk at offset {offset} but {inc.received} bytes received so far; resume from there", 409)
+            if offset + len(data) > inc.meta.nbytes:
+                raise SlotError(f"chunk ends at {offset + len(data)}, past the shard's {inc.meta.nbytes} bytes", 400)
+            part = self.root / inc.meta.path.replace(".bin", ".part")
+            await asyncio.to_thread(_pwrite_all, part, data, offset)
+            inc.received += len(data)
+            inc.touched = time.monotonic()
+            self.received_bytes += len(data)
+            return inc.received
+
+    async def finish(self, job: str, role: str, step: int, newest: int | None = None) -> Replica:
+        """Make a fully received shard count, once its checksum matches. ``newest``: the sender's
+        newest committed step of the role; replicas above it are a discarded future."""
+        key = (job, role, step)
+        inc = self._incoming.get(key)
+        if inc is None:
+            done = self.get(job, role, step)
+            if done is not None:
+                return done
+            raise SlotError(f"no transfer of {role} step {step} to finish", 409)
+        async with inc.lock:
+            r = inc.meta
+            if inc.received != r.nbytes:
+                raise SlotError(f"only {inc.received} of {r.nbytes} bytes of {role} step {step} received", 409)
+            part = self.root / r.path.replace(".bin", ".part")
+            digest = await asyncio.to_thread(_file_checksum, part)
+            self._incoming.pop(key, None)
+            if digest != r.checksum:
+                part.unlink(missing_ok=True)
+                raise SlotError(f"{role} step {step} arrived with checksum {digest}, expected {r.checksum}; discarded, send it again", 422)
+            os.rename(part, self.root / r.path)
+            r.complete_at = time.time()
+            self.index.put(_key(job, role, step), asdict(r))
+            versions = self.complete.setdefault((job, role), {})
+            versions[step] = r
+            # as with slots: a "future" the primary rewound from (it restored an older step and
+            # saves again) must not outrank what it saves now
+            stale = [s for s in versions if s > newest] if newest is not None else []
+            stale += sorted(s for s in versions if s not in stale)[:-KEEP_VERSIONS]
+            for s in stale:
+                self._unlink(versions.pop(s))
+            if stale:
+                self.index.delete(*(_key(job, role, s) for s in stale))
+            self._purge()
+            log.info("shard received", extra={"job": job, "role": role, "step": step, "bytes": r.nbytes, "from": r.source, "kind": r.kind})
+            return r
+
+    def _purge(self, idle_s: float = 60.0) -> None:
+        """Drop transfers that can no longer count: older than both kept versions of their role
+        (the sender moved on), or idle for a minute (the sender died)."""
+        now = time.monotonic()
+        for key, inc in list(self._incoming.items()):
+            job, role, step = key
+            kept = self.complete.get((job, role), {})
+            if (len(kept) >= KEEP_VERSIONS and step < min(kept)) or now - inc.touched > idle_s:
+                if not inc.lock.locked():
+                    self._drop_incoming(key)
+
+    def _drop_incoming(self, key: tuple[str, str, int]) -> None:
+        inc = self._incoming.pop(key)
+        (self.root / inc.meta.path.replace(".bin", ".part")).unlink(missing_ok=True)
+
+    def _unlink(self, r: Replica) -> None:
+        mm = self._maps.pop(r.path, None)
+        if mm is not None:
+            mm.close()
+        (self.root / r.path).unlink(missing_ok=True)
+
+    def verify(self, r: Replica) -> bool:
+        return _file_checksum(self.root / r.path) == r.checksum
+
+    def describe(self) -> list[dict[str, Any]]:
+        out = []
+        for (job, role), versions in sorted(self.complete.items()):
+            for r in sorted(versions.values(), key=lambda v: -v.step):
+                out.append({"job": job, "role": role, "step": r.step, "nbytes": r.nbytes, "checksum": r.checksum, "from": r.source, "kind": r.kind})
+        for (job, role, step), inc in sorted(self._incoming.items()):
+            out.append({"job": job, "role": role, "step": step, "nbytes": inc.meta.nbytes, "received": inc.received, "from": inc.meta.source, "kind": "incoming"})
+        return out
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        self._maps.clear()
+
+
+def _pwrite_all(path: Path, data: bytes | memoryview, offset: int) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+    finally:
+        os.close(fd)
+
+
+def _file_checksum(path: Path) -> str:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            return checksum(b"")
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+            return checksum(memoryview(mm))

@@ -1,0 +1,264 @@
+"""Moving shards between node daemons: pushing every commit to the ring successor, and pulling
+the shards a restore needs from whichever daemon holds them.
+
+Both move chunks of ``GateConfig.chunk_bytes`` through the node's link gate over the peer API
+(``/v1/replicas/...`` to push, ``/v1/state/...`` to read), with the job's token. A push resumes
+at the offset the receiver reports, so an interrupted transfer does not start over; the receiver
+verifies the whole-shard checksum before the replica counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from statestore.heartbeat import Heartbeat
+from statestore.link_gate import LinkGate, Priority
+from statestore.replicas import Replica, ReplicaStore
+from statestore.slots import SlotError, SlotStore, Version
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalShard:
+    """A committed shard held here, as a slot version (primary) or a replica."""
+
+    job: str
+    role: str
+    step: int
+    rel: str  # file relative to the root
+    nbytes: int
+    checksum: str
+    header: dict[str, Any]
+    kind: str  # "primary", "replica" or "pulled"
+    _owner: Version | Replica
+    _slots: SlotStore
+    _replicas: ReplicaStore
+
+    def view(self) -> memoryview:
+        store = self._slots if self.kind == "primary" else self._replicas
+        return memoryview(store.mapped(self.rel))[: self.nbytes]
+
+    def current(self) -> bool:
+        """Still held (a save may reuse a primary's slot; replicas give way to newer ones)."""
+        if self.kind == "primary":
+            rs = self._slots.roles.get((self.job, self.role))
+            return rs is not None and rs.versions.get(self.step) is self._owner
+        return self._replicas.get(self.job, self.role, self.step) is self._owner
+
+    def meta(self) -> dict[str, Any]:
+        return {"job": self.job, "role": self.role, "step": self.step, "nbytes": self.nbytes, "checksum": self.checksum, "header": self.header, "kind": self.kind}
+
+
+def find_local(slots: SlotStore, replicas: ReplicaStore, job: str, role: str, step: int) -> LocalShard | None:
+    rs = slots.roles.get((job, role))
+    v = rs.versions.get(step) if rs else None
+    if v is not None:
+        return LocalShard(job, role, step, v.path, v.nbytes, v.checksum, v.header, "primary", v, slots, replicas)
+    r = replicas.get(job, role, step)
+    if r is not None:
+        return LocalShard(job, role, step, r.path, r.nbytes, r.checksum, r.header, r.kind, r, slots, replicas)
+    return None
+
+
+class PeerError(Exception):
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Peers:
+    """The HTTP side of shard moves: chunked reads from, and chunked pushes to, another daemon."""
+
+    def __init__(self, gate: LinkGate, token: str | None) -> None:
+        self.gate = gate
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=30))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def _json(self, method: str, url: str, **kw: Any) -> dict[str, Any]:
+        assert self.session is not None
+        try:
+            async with self.session.request(method, url, headers=self.headers, **kw) as resp:
+                if resp.status != 200:
+                    raise PeerError(f"{method} {url} answered {resp.status}: {(await resp.text())[:300]}", resp.status)
+                result: dict[str, Any] = await resp.json()
+                return result
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise PeerError(f"{method} {url} failed: {exc!r}") from exc
+
+    async def push(self, base: str, shard: LocalShard, source: str, newest: int) -> int:
+        """Send ``shard`` to the daemon at ``base`` from where it left off; returns bytes sent."""
+        assert self.session is not None
+        url = f"{base}/v1/replicas/{shard.job}/{shard.role}/{shard.step}"
+        meta = {"nbytes": shard.nbytes, "checksum": shard.checksum, "header": shard.header, "source": source}
+        offset = int((await self._json("POST", f"{url}/begin", json=meta))["received"])
+        sent = 0
+        chunk = self.gate.config.chunk_bytes
+        while offset < shard.nbytes:
+            n = min(chunk, shard.nbytes - offset)
+            data = bytes(shard.view()[offset : offset + n])
+            if not shard.current():
+                raise PeerError(f"{shard.role} step {shard.step} was replaced here while being pushed", 409)
+            await self.gate.acquire(Priority.REPLICATE, n)
+            offset = int((await self._json("PUT", url, params={"offset": str(offset)}, data=data))["received"])
+            sent += n
+        await self._json("POST", f"{url}/commit", params={"newest": str(newest)})
+        return sent
+
+    async def pull(self, base: str, replicas: ReplicaStore, job: str, role: str, step: int, source: str) -> Replica:
+        """Fetch a committed shard from the daemon at ``base`` into ``replicas`` (verified)."""
+        assert self.session is not None
+        url = f"{base}/v1/state/{job}/{role}/{step}"
+        meta = await self._json("GET", url)
+        nbytes = int(meta["nbytes"])
+        offset = replicas.begin(job, role, step, nbytes, str(meta["checksum"]), dict(meta["header"]), source, kind="pulled")
+        chunk = self.gate.config.chunk_bytes
+        while offset < nbytes:
+            n = min(chunk, nbytes - offset)
+            await self.gate.acquire(Priority.NEXT_BATCH, n)  # a worker is waiting for it
+            try:
+                async with self.session.get(f"{url}/shard", params={"offset": str(offset), "length": str(n)}, headers=self.headers) as resp:
+                    if resp.status != 200:
+                        raise PeerError(f"GET {url}/shard answered {resp.status}: {(await resp.text())[:300]}", resp.status)
+                    data = await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise PeerError(f"GET {url}/shard failed: {exc!r}") from exc
+            offset = await replicas.write(job, role, step, offset, data)
+        return await replicas.finish(job, role, step)
+
+
+class Replicator:
+    """Pushes every newly committed shard to the ring successor; re-replicates on ring changes."""
+
+    def __init__(self, node_id: str, slots: SlotStore, replicas: ReplicaStore, heartbeat: Heartbeat, peers: _Peers) -> None:
+        self.node_id = node_id
+        self.slots = slots
+        self.replicas = replicas
+        self.heartbeat = heartbeat
+        self.peers = peers
+        self._pending: dict[tuple[str, str], set[int]] = {}  # (job, role) → steps to push
+        self._held: set[tuple[str, str, int]] = set()  # replicas we forward (their primary died)
+        self._wake = asyncio.Event()
+        self.successor: str | None = None
+        self._ring: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        self.replicated: dict[tuple[str, str], tuple[int, str]] = {}  # newest step pushed, and where
+        self.bytes_sent = 0
+        self.pushes = self.failures = 0
+        self.last_error = ""
+
+    def committed(self, job: str, role: str, step: int) -> None:
+        self._pending.setdefault((job, role), set()).add(step)
+        self._wake.set()
+
+    def _ring_changed(self, view: dict[str, Any]) -> None:
+        """Everything whose copy may have gone: our newest versions, and the replicas we hold
+        for a primary that died (their only copy is now ours)."""
+        for rs in self.slots.roles.values():
+            for v in rs.newest():
+                self._pending.setdefault((rs.job, rs.role), set()).add(v.step)
+        dead = set(view.get("dead", []))
+        for (job, role), versions in self.replicas.complete.items():
+            for r in versions.values():
+                if r.source in dead and r.kind == "replica":
+                    self._held.add((job, role, r.step))
+                    self._pending.setdefault((job, role), set()).add(r.step)
+
+    async def run(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            view = self.heartbeat.view
+            succ, addr = view.get("successor"), view.get("successor_address")
+            ring = (tuple(view.get("ring", [])), tuple(view.get("dead", [])))
+            if ring != self._ring:
+                if succ != self.successor:
+                    log.info("replication target changed", extra={"from": self.successor, "to": succ})
+                self.successor, self._ring = succ, ring
+                if succ is not None:
+                    self._ring_changed(view)
+            if succ is None or not addr or not self._pending:
+                continue
+            ok = await self._drain(succ, addr)
+            if ok:
+                backoff = 0.2
+            else:
+                await asyncio.sleep(backoff)  # the successor may be restarting: keep trying
+                backoff = min(backoff * 2, 2.0)
+                self._wake.set()
+
+    async def _drain(self, succ: str, addr: str) -> bool:
+        # newest first: the restorable step needs every role's newest version
+        work = sorted(((step, job, role) for (job, role), steps in self._pending.items() for step in steps), reverse=True)
+        for step, job, role in work:
+            if self.heartbeat.view.get("successor") != succ:
+                return True  # re-plan against the new ring
+            shard = find_local(self.slots, self.replicas, job, role, step)
+            if shard is None or (shard.kind != "primary" and (job, role, step) not in self._held):
+                self._discard(job, role, step)
+                continue
+            started = time.perf_counter()
+            try:
+                sent = await self.peers.push(addr, shard, self.node_id, max(self._local_steps(job, role, shard.kind)))
+            except PeerError as exc:
+                if exc.status == 409 and not shard.current():
+                    self._discard(job, role, step)  # superseded here; a newer version is queued
+                    continue
+                self.failures += 1
+                self.last_error = str(exc)
+                log.warning("replication failed; will resume", extra={"job": job, "role": role, "step": step, "to": succ, "error": str(exc)})
+                return False
+            self._discard(job, role, step)
+            self.bytes_sent += sent
+            self.pushes += 1
+            newest = self.replicated.get((job, role))
+            if newest is None or newest[0] <= step:
+                self.replicated[(job, role)] = (step, succ)
+            log.info("replicated", extra={"job": job, "role": role, "step": step, "to": succ, "bytes": sent, "seconds": round(time.perf_counter() - started, 4)})
+        return True
+
+    def _local_steps(self, job: str, role: str, kind: str) -> set[int]:
+        if kind == "primary":
+            rs = self.slots.roles.get((job, role))
+            return set(rs.versions) if rs else set()
+        return set(self.replicas.complete.get((job, role), {}))
+
+    def _discard(self, job: str, role: str, step: int) -> None:
+        steps = self._pending.get((job, role))
+        if steps is not None:
+            steps.discard(step)
+            if not steps:
+                del self._pending[(job, role)]
+
+    def describe(self) -> dict[str, Any]:
+        lag = {}
+        for rs in self.slots.roles.values():
+            newest = rs.newest(1)
+            done = self.replicated.get((rs.job, rs.role))
+            if newest:
+                lag[f"{rs.job}/{rs.role}"] = {"committed": newest[0].step, "replicated": done[0] if done else None, "to": done[1] if done else None}
+        return {
+            "successor": self.successor,
+            "pending": sum(len(s) for s in self._pending.values()),
+            "bytes_sent": self.bytes_sent,
+            "pushes": self.pushes,
+            "failures": self.failures,
+            "last_error": self.last_error or None,
+            "roles": lag,
+        }

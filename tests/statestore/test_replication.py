@@ -1,0 +1,146 @@
+"""Neighbour replication and restore anywhere, with real daemons on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests._servers import TOKEN, until
+from trainer_client import Checkpointer, Layout
+from trainer_client.local_cluster import LocalCluster
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _state(step: int, role: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(role)
+    return {"w": torch.randn(300, 257, generator=g) + step, "step": step}  # ~300 KiB: several chunks
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path, data_dir, TOKEN) as c:
+        c.start_dataserver()
+        yield c
+
+
+def _start(c: LocalCluster, n: int, *extra: str) -> None:
+    for _ in range(n):
+        c.start_daemon("--gate-chunk-kb", "64", *extra, budget_mb=64)
+    until(lambda: len(_status(c)["ring"]) == len(c.roots), what="every daemon in the ring")
+
+
+def _status(c: LocalCluster, job: str = "job") -> dict[str, Any]:
+    assert c.dataserver is not None
+    return httpx.get(f"{c.dataserver.url}/v1/jobs/{job}/status").json()
+
+
+def _daemon_state(c: LocalCluster, i: int) -> dict[str, Any]:
+    return httpx.get(c.daemons[i].url + "/v1/state").json()
+
+
+def _save(c: LocalCluster, node: int, role: int, steps: range, dp: int = 1) -> None:
+    """Role ``role`` saves on node ``node``; with dp > 1 the ranks hold the same (replicated)
+    state and each saves its razored slice."""
+    ck = Checkpointer("job", Layout(dp=dp, dp_rank=role), socket_path=c.socket(node))
+    for step in steps:
+        ck.save(step, _state(step, role if dp == 1 else 0))
+    ck.close()
+
+
+def _held(c: LocalCluster, role: str, step: int) -> list[str]:
+    return sorted(_status(c)["shard_locations"].get(role, {}).get(str(step), []))
+
+
+def test_commits_reach_the_successor_verified_and_follow_a_node_loss(cluster: LocalCluster) -> None:
+    _start(cluster, 3)  # ring n0 → n1 → n2 → n0
+    _save(cluster, 0, 0, range(1, 4))
+    role = "dp0-pp0-tp0"
+    until(lambda: _held(cluster, role, 3) == _held(cluster, role, 2) == ["n0", "n1"], what="steps 2, 3 on the primary and the successor")
+    replicas = _daemon_state(cluster, 1)["replicas"]
+    primary = _daemon_state(cluster, 0)["roles"][0]["versions"]
+    assert {(r["step"], r["checksum"]) for r in replicas} == {(v["step"], v["checksum"]) for v in primary}  # two versions, same bytes
+    assert _daemon_state(cluster, 0)["replication"]["roles"]["job/dp0-pp0-tp0"] == {"committed": 3, "replicated": 3, "to": "n1"}
+
+    cluster.lose_node(0)
+    until(lambda: "n0" in _status(cluster)["dead"], what="n0 declared dead")
+    # the replica whose primary died is copied on to n1's successor: two copies again
+    until(lambda: _held(cluster, role, 3) == ["n1", "n2"], what="re-replication to n2")
+
+    cluster.start_daemon("--gate-chunk-kb", "64", index=3, budget_mb=64)  # a replacement node, empty
+    got = Checkpointer("job", socket_path=cluster.socket(3)).restore()
+    assert got is not None and got.step == 3 and torch.equal(got.state["w"], _state(3, 0)["w"])
+    pulled = _daemon_state(cluster, 3)
+    assert pulled["pulled_bytes"] > 0 and {r["kind"] for r in pulled["replicas"]} == {"pulled"}
+
+
+def test_restore_gathers_razored_pieces_of_dp_peers_from_other_nodes(cluster: LocalCluster) -> None:
+    _start(cluster, 3)
+    _save(cluster, 0, 0, range(5, 7), dp=2)  # rank 0 saves on n0, rank 1 on n1
+    _save(cluster, 1, 1, range(5, 7), dp=2)
+    until(lambda: _status(cluster)["restorable_step"] == 6)
+    # rank 0 restarts on n2: its own shard and rank 1's piece of the replicated state come from peers
+    ck = Checkpointer("job", Layout(dp=2, dp_rank=0), socket_path=cluster.socket(2))
+    got = ck.restore()
+    ck.close()
+    assert got is not None and got.step == 6 and torch.equal(got.state["w"], _state(6, 0)["w"])
+
+
+def test_a_push_resumes_and_counts_only_once_verified(cluster: LocalCluster) -> None:
+    _start(cluster, 1)
+    url = cluster.daemons[0].url + "/v1/replicas/job/dpX/7"
+    data = bytes(range(256)) * 1024
+    import xxhash
+
+    meta = {"nbytes": len(data), "checksum": xxhash.xxh3_64_hexdigest(data), "header": {"layout_roles": ["dpX"]}, "source": "elsewhere"}
+    assert httpx.post(url + "/begin", json=meta).status_code == 401  # the peer API needs the token
+    assert httpx.post(url + "/begin", json=meta, headers=AUTH).json() == {"received": 0}
+    assert httpx.put(url, params={"offset": 0}, content=data[:100_000], headers=AUTH).json() == {"received": 100_000}
+    # the sender went away; when it comes back it is told where to resume
+    assert httpx.post(url + "/begin", json=meta, headers=AUTH).json() == {"received": 100_000}
+    wrong = httpx.put(url, params={"offset": 0}, content=data[:10], headers=AUTH)
+    assert wrong.status_code == 409 and "resume from there" in wrong.text
+    assert httpx.post(url + "/commit", headers=AUTH).status_code == 409  # incomplete: not a replica
+    assert httpx.put(url, params={"offset": 100_000}, content=b"\0" * (len(data) - 100_000), headers=AUTH).status_code == 200
+    bad = httpx.post(url + "/commit", headers=AUTH)
+    assert bad.status_code == 422 and "checksum" in bad.text  # corrupt in transit: discarded
+    assert _daemon_state(cluster, 0)["replicas"] == []
+    assert httpx.post(url + "/begin", json=meta, headers=AUTH).json() == {"received": 0}
+    assert httpx.put(url, params={"offset": 0}, content=data, headers=AUTH).status_code == 200
+    assert httpx.post(url + "/commit", headers=AUTH).json()["ok"]
+    assert [(r["step"], r["kind"]) for r in _daemon_state(cluster, 0)["replicas"]] == [(7, "replica")]
+    assert httpx.get(cluster.daemons[0].url + "/v1/state/job/dpX/7/shard", params={"offset": 256, "length": 4}, headers=AUTH).content == bytes(range(4))
+
+
+def test_losing_a_node_and_its_successor_falls_back_to_the_durable_tier(cluster: LocalCluster, tmp_path: Path) -> None:
+    durable = ("--durable-dir", str(tmp_path / "durable"), "--durable-every", "1")
+    _start(cluster, 4, *durable)  # ring n0 → n1 → n2 → n3
+    for node in range(4):
+        _save(cluster, node, node, range(1, 3), dp=4)
+    until(lambda: all(len(_held(cluster, f"dp{r}-pp0-tp0", 2)) >= 2 for r in range(4)), what="every role replicated")
+
+    cluster.lose_node(0)
+    cluster.lose_node(2)  # not adjacent: every role still has a copy
+    until(lambda: {"n0", "n2"} <= set(_status(cluster)["dead"]))
+    got = Checkpointer("job", Layout(dp=4, dp_rank=0), socket_path=cluster.socket(1)).restore()
+    assert got is not None and got.source == "memory" and got.step == 2
+
+    cluster.lose_node(1)  # n0 and its successor n1 both gone: role 0 has no copy in memory
+    until(lambda: "n1" in _status(cluster)["dead"])
+    reply = _restorable_reply(cluster, 3, "dp0-pp0-tp0")
+    assert reply["source"] == "durable" and reply["step"] == 2 and "durable tier" in reply["message"] and "dp0-pp0-tp0" in reply["message"]
+
+
+def _restorable_reply(c: LocalCluster, node: int, role: str) -> dict[str, Any]:
+    from trainer_client._daemon_client import DaemonClient
+
+    client = DaemonClient(c.socket(node), 30)
+    try:
+        return client.call(op="restorable", job="job", verify=False, roles=[role])
+    finally:
+        client.close()

@@ -1,0 +1,95 @@
+"""Tell the node's link gate when this process's collectives are using the network.
+
+The daemon's gate holds every STATE chunk while any local training process has a collective in
+flight. Each process keeps one counter in ``<daemon root>/hints/<pid>`` (shared memory; the
+daemon maps it read-only and drops it when the process is gone)::
+
+    hints = LinkHints()
+    with hints.collective():          # around a hand-written collective
+        dist.all_reduce(t)
+    ddp.register_comm_hook(None, hints.ddp_comm_hook())   # every DDP gradient bucket
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from trainer_client.dataloader import DEFAULT_SOCKET, SOCKET_ENV
+
+_HINT_BYTES = 8
+
+
+class LinkHints:
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None) -> None:
+        root = Path(socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET).parent
+        directory = root / "hints"
+        if not directory.is_dir():
+            raise FileNotFoundError(f"no hints folder at {directory}: is the node daemon running with root {root}?")
+        self.path = directory / str(os.getpid())
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, _HINT_BYTES)
+            self._mm = mmap.mmap(fd, _HINT_BYTES)
+        finally:
+            os.close(fd)
+        self._depth = 0
+        self._lock = threading.Lock()  # the DDP hook's completion runs on gloo's threads
+
+    def _add(self, delta: int) -> None:
+        with self._lock:
+            self._depth = max(0, self._depth + delta)
+            struct.pack_into("<q", self._mm, 0, self._depth)
+
+    @property
+    def busy(self) -> bool:
+        return self._depth > 0
+
+    @contextmanager
+    def collective(self) -> Iterator[None]:
+        """Mark the network busy for the duration of the block."""
+        self._add(1)
+        try:
+            yield
+        finally:
+            self._add(-1)
+
+    def ddp_comm_hook(self) -> Callable[[Any, Any], Any]:
+        """DDP's default all-reduce (divide by world size, sum), marked busy until it completes."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def hook(process_group: Any, bucket: Any) -> Any:
+            self._add(1)
+            try:
+                fut = allreduce_hook(process_group, bucket)
+            except BaseException:
+                self._add(-1)
+                raise
+
+            def done(f: Any) -> Any:
+                self._add(-1)
+                return f.value()
+
+            return fut.then(done)
+
+        return hook
+
+    def close(self) -> None:
+        self._add(-self._depth)
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> LinkHints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
