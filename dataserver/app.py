@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from dataserver.catalog import Catalog, DatasetError
 from dataserver.config import ServeConfig
-from dataserver.coordinator import Coordinator
+from dataserver.coordinator import Coordinator, listen_udp
 from dataserver.httpserver import BearerAuth, load_token
 from dataserver.jobs import Job, JobConflict, JobError, JobRegistry, JobSpec
 from dataserver.planner import Generation
@@ -41,6 +41,12 @@ class GenerationCreate(BaseModel):
     batch_per_rank: int = Field(ge=1, le=1 << 20)
 
 
+class UdpSession(BaseModel):
+    session: str = Field(pattern=r"^[0-9a-f]{16}$")  # the daemon process's random UDP session id
+    counter: int = Field(ge=0, lt=1 << 64)  # the highest message counter it has used
+    inv_version: int = Field(ge=0, lt=1 << 64)  # the version of the inventory in this heartbeat
+
+
 class Heartbeat(BaseModel):
     node_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
     address: str = Field(min_length=1, max_length=256)
@@ -48,6 +54,7 @@ class Heartbeat(BaseModel):
     inventory: dict[str, dict[str, list[dict[str, Any]]]] = Field(default_factory=dict)
     workers: list[dict[str, Any]] = Field(default_factory=list)
     exited: list[dict[str, Any]] = Field(default_factory=list)
+    udp: UdpSession | None = None  # present when the daemon will send UDP beats
 
 
 class _Metrics:
@@ -77,7 +84,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     jobs = JobRegistry(config.resolved_state_dir())
     auth = BearerAuth(token if token is not None else load_token(config.token_file))
     metrics = _Metrics()
-    coordinator = Coordinator(config.dead_after_s)
+    coordinator = Coordinator(config.dead_after_s, auth.token)
 
     async def bounded(request: Request) -> None:  # async: no thread-pool hop per request
         size = int(request.headers.get("content-length") or 0)
@@ -87,8 +94,13 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     needs_token = [Depends(bounded), Depends(auth)]
 
     async def sweep() -> None:
+        due = time.monotonic()
         while True:
-            coordinator.sweep()
+            # A sweep that runs late (the loop stalled) declares nobody dead: beats queued in the
+            # socket during the stall are read first, and the next sweep judges.
+            if time.monotonic() - due < config.sweep_s:
+                coordinator.sweep()
+            due = time.monotonic() + config.sweep_s
             await asyncio.sleep(config.sweep_s)
 
     @asynccontextmanager
@@ -96,7 +108,12 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         names = jobs.load(lambda ds: catalog.get(ds).num_samples)
         log.info("dataserver ready", extra={"datasets": catalog.names(), "jobs": names})
         sweeper = asyncio.create_task(sweep(), name="coordinator sweep")
+        udp = None
+        if config.heartbeat_udp_port >= 0 and auth.token is not None:
+            udp = await listen_udp(coordinator, config.host, config.heartbeat_udp_port)
         yield
+        if udp is not None:
+            udp.close()
         sweeper.cancel()
         catalog.close()
 
@@ -228,20 +245,34 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     # Coordinator endpoints are async: they run on the event loop, one at a time, so membership
     # needs no lock (sync endpoints would run concurrently in the thread pool) and skip a thread hop.
     @app.post("/v1/nodes/heartbeat", dependencies=needs_token)
-    async def heartbeat(body: Heartbeat) -> dict[str, Any]:
-        """A node daemon's heartbeat: registers it, records its shard inventory and workers."""
-        return coordinator.heartbeat(body.node_id, body.address, body.budget_bytes, body.inventory, body.workers, body.exited)
+    async def heartbeat(body: Heartbeat) -> Response:
+        """A node daemon's full heartbeat: registers it, records its shard inventory and workers.
+        Answers the ring view (ring, members' addresses, dead nodes, this node's successor) and
+        the UDP port for its next beats."""
+        udp = body.udp.model_dump() if body.udp is not None else None
+        coordinator.heartbeat(body.node_id, body.address, body.budget_bytes, body.inventory, body.workers, body.exited, udp)
+        return Response(coordinator.view_bytes(body.node_id), media_type="application/json")
+
+    @app.get("/v1/nodes/view")
+    async def nodes_view(node_id: str | None = None) -> Response:
+        """The ring view, as answered to heartbeats (with ``node_id``: that node's successor)."""
+        return Response(coordinator.view_bytes(node_id), media_type="application/json")
 
     @app.get("/v1/nodes")
     async def nodes() -> dict[str, Any]:
-        return {"ring": coordinator.ring(), "members": {n: {"address": m.address, "alive": m.alive} for n, m in coordinator.members.items()}}
+        return {
+            "ring": coordinator.ring(),
+            "members": {n: {"address": m.address, "alive": m.alive} for n, m in coordinator.members.items()},
+            "udp_port": coordinator.udp_port,
+            "stats": coordinator.stats,
+        }
 
     @app.get("/v1/nodes/{node_id}")
     async def node(node_id: str) -> dict[str, Any]:
         m = coordinator.members.get(node_id)
         if m is None:
             raise HTTPException(404, f"unknown node {node_id!r}; it has never sent a heartbeat")
-        return {"node_id": node_id, "address": m.address, "alive": m.alive, "silent_s": round(time.monotonic() - m.last_seen, 3)}
+        return {"node_id": node_id, "address": m.address, "alive": m.alive, "silent_s": round(time.monotonic() - m.last_seen, 3), "http_beats": m.http_beats, "udp_beats": m.udp_beats}
 
     @app.get("/v1/jobs/{name}/status")
     async def job_status(name: str) -> dict[str, Any]:

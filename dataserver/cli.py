@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--ready-file", default=None, help="write {host,port,pid} JSON here once listening")
     srv.add_argument("--max-steps-per-request", type=int, default=d.max_steps_per_request)
     srv.add_argument("--dead-after-s", type=float, default=d.dead_after_s, help="declare a node dead after this much silence")
+    srv.add_argument("--heartbeat-udp-port", type=int, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")
     srv.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         ready_file=args.ready_file,
         max_steps_per_request=args.max_steps_per_request,
         dead_after_s=args.dead_after_s,
+        heartbeat_udp_port=args.heartbeat_udp_port,
         log_level=args.log_level,
     )
     setup_logging(cfg_s.log_level)

@@ -18,6 +18,7 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20  # JSON bodies (jobs, heartbeats with inventories)
     dead_after_s: float = 1.5  # a node silent this long is declared dead
     sweep_s: float = 0.2  # how often silence is checked
+    heartbeat_udp_port: int = 0  # UDP heartbeats (daemons learn it from their HTTP heartbeat); 0 any free port, -1 off
     log_level: str = "info"
 
     def resolved_state_dir(self) -> Path:

@@ -1,85 +1,319 @@
 """Membership of a job's node daemons: heartbeats, dead-node detection, the replication ring,
 and the job-wide restorable step.
 
-Nothing here is persisted: every daemon heartbeats each second with its whole inventory, so a
+Nothing here is persisted: membership is soft state rebuilt from the daemons' heartbeats, so a
 restarted data server knows the cluster again after one heartbeat round, without any daemon or
 worker restarting. A node silent for ``dead_after_s`` is declared dead by a sweep that runs every
 ``sweep_s``; the ring is the alive nodes in node-id order, each replicating to its successor.
+
+Two transports feed it (decisions.md, "Heartbeats: UDP liveness, HTTP registration"):
+
+* HTTP ``POST /v1/nodes/heartbeat`` (bearer token): the full heartbeat — address, budget,
+  inventory, workers, exited workers. A daemon sends it to register (first beat, after a data
+  server restart, after being declared dead), when a worker exited, or when UDP fails. Its answer
+  is the whole ring view and the UDP port.
+* UDP datagrams (this module's wire format, HMAC-SHA256 with the job token): liveness of a node
+  registered over HTTP, plus — only when it changed — its inventory and workers as a compressed
+  blob that is decoded only when someone asks for a job's status. The answer carries the ring
+  view's version and, when the daemon's view is behind, the membership events it missed.
+
+A datagram cannot create membership: from a node the coordinator does not know (or knows as dead,
+or under another daemon session) it is answered "unknown, send a full heartbeat".
 """
 
 from __future__ import annotations
 
+import asyncio
+import bisect
+import hmac
+import json
 import logging
+import os
+import struct
 import time
-from dataclasses import dataclass, field
-from typing import Any
+import zlib
+from collections import OrderedDict
+from typing import Any, cast
 
 log = logging.getLogger(__name__)
 
+# ---- UDP wire format (shared with statestore/heartbeat.py) -----------------------------------
+# A beat:   header | node id (utf-8) | payload (kind INV: zlib(JSON [inventory, workers])) | MAC
+# An answer: header | events (view EVENTS: JSON list of membership events) | MAC
+# MAC = HMAC-SHA256(job token, everything before it)[:16]. Integers are big-endian.
+BEAT_MAGIC = b"FFB1"
+ANSWER_MAGIC = b"FFA1"
+BEAT_HEADER = struct.Struct("!4sBB8sQQQQ")  # magic, kind, len(node id), session, counter, inventory version, view epoch, view version
+ANSWER_HEADER = struct.Struct("!4sBBQQQ")  # magic, status, view, counter (echoed), view epoch, view version
+MAC_BYTES = 16
+MAX_DATAGRAM = 8192  # bigger inventories go over HTTP
+MAX_INVENTORY_BYTES = 16 << 20  # decompressed
+KIND_BEAT, KIND_INV = 0, 1
+STATUS_OK, STATUS_UNKNOWN, STATUS_STALE = 0, 1, 2  # UNKNOWN: send a full HTTP heartbeat; STALE: resend the inventory
+VIEW_CURRENT, VIEW_EVENTS, VIEW_FULL = 0, 1, 2  # FULL: GET /v1/nodes/view
+_MAX_EVENTS = 1024  # membership events kept for view deltas
+_MAX_EVENT_BYTES = 1200  # larger deltas: the daemon fetches the whole view
+_VIEW_REFRESH_S = 0.1  # the encoded whole view is rebuilt at most this often (joins come in storms)
 
-@dataclass
+
+def mac(key: bytes, data: bytes) -> bytes:
+    return hmac.digest(key, data, "sha256")[:MAC_BYTES]
+
+
+def encode_beat(key: bytes, kind: int, node_id: str, session: bytes, counter: int, inv_version: int, epoch: int, view_version: int, payload: bytes = b"") -> bytes:
+    nid = node_id.encode()
+    body = BEAT_HEADER.pack(BEAT_MAGIC, kind, len(nid), session, counter, inv_version, epoch, view_version) + nid + payload
+    return body + mac(key, body)
+
+
+def decode_answer(key: bytes, data: bytes) -> tuple[int, int, int, int, int, bytes] | None:
+    """(status, view, counter, epoch, version, events) of an authentic answer, else None."""
+    if len(data) < ANSWER_HEADER.size + MAC_BYTES or data[:4] != ANSWER_MAGIC:
+        return None
+    body = data[:-MAC_BYTES]
+    if not hmac.compare_digest(mac(key, body), data[-MAC_BYTES:]):
+        return None
+    _, status, view, counter, epoch, version = ANSWER_HEADER.unpack_from(body)
+    return status, view, counter, epoch, version, body[ANSWER_HEADER.size :]
+
+
+def encode_inventory(inventory: dict[str, Any], workers: list[dict[str, Any]]) -> bytes:
+    return zlib.compress(json.dumps([inventory, workers], separators=(",", ":"), sort_keys=True).encode(), 1)
+
+
+def _decode_inventory(raw: bytes) -> tuple[dict[str, dict[str, list[dict[str, Any]]]], list[dict[str, Any]]]:
+    d = zlib.decompressobj()
+    text = d.decompress(raw, MAX_INVENTORY_BYTES)
+    if d.unconsumed_tail or not d.eof:
+        raise ValueError("inventory too large or truncated")
+    inventory, workers = json.loads(text)
+    if not (
+        isinstance(inventory, dict)
+        and all(isinstance(roles, dict) and all(isinstance(vs, list) and all(isinstance(v, dict) for v in vs) for vs in roles.values()) for roles in inventory.values())
+        and isinstance(workers, list)
+        and all(isinstance(w, dict) for w in workers)
+    ):
+        raise ValueError("inventory or workers of the wrong shape")
+    return inventory, workers
+
+
 class Member:
-    node_id: str
-    address: str  # the daemon's ops/peer base URL
-    budget_bytes: int
-    last_seen: float
-    inventory: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)  # job → role → versions
-    workers: list[dict[str, Any]] = field(default_factory=list)
-    exited: list[dict[str, Any]] = field(default_factory=list)
-    alive: bool = True
-    dead_since: float | None = None
+    __slots__ = ("node_id", "address", "budget_bytes", "last_seen", "alive", "dead_since", "session", "counter", "inv_version", "http_beats", "udp_beats", "_inventory", "_workers", "_raw")
+
+    def __init__(self, node_id: str, address: str, budget_bytes: int, last_seen: float) -> None:
+        self.node_id = node_id
+        self.address = address  # the daemon's ops/peer base URL
+        self.budget_bytes = budget_bytes
+        self.last_seen = last_seen
+        self.alive = True
+        self.dead_since: float | None = None
+        self.session: bytes | None = None  # the daemon process's UDP session, registered over HTTP
+        self.counter = 0  # highest message counter seen in that session (replays are dropped)
+        self.inv_version = 0
+        self.http_beats = self.udp_beats = 0
+        self._inventory: dict[str, dict[str, list[dict[str, Any]]]] = {}  # job → role → versions
+        self._workers: list[dict[str, Any]] = []
+        self._raw: bytes | None = None  # an inventory from a datagram, not decoded yet
+
+    def set_inventory(self, inventory: dict[str, dict[str, list[dict[str, Any]]]], workers: list[dict[str, Any]]) -> None:
+        self._inventory, self._workers, self._raw = inventory, workers, None
+
+    def set_raw(self, raw: bytes) -> None:
+        self._raw = raw
+
+    def _decode(self) -> None:
+        raw, self._raw = self._raw, None
+        if raw is None:
+            return
+        try:
+            self._inventory, self._workers = _decode_inventory(raw)
+        except (ValueError, TypeError, zlib.error) as exc:
+            log.warning("malformed inventory datagram ignored", extra={"node": self.node_id, "error": str(exc)})
+            self._inventory, self._workers = {}, []
+
+    @property
+    def inventory(self) -> dict[str, dict[str, list[dict[str, Any]]]]:
+        self._decode()
+        return self._inventory
+
+    @property
+    def workers(self) -> list[dict[str, Any]]:
+        self._decode()
+        return self._workers
 
 
 class Coordinator:
-    def __init__(self, dead_after_s: float = 1.5) -> None:
+    def __init__(self, dead_after_s: float = 1.5, token: str | None = None) -> None:
         self.dead_after_s = dead_after_s
+        self.key = token.encode() if token else None
         self.members: dict[str, Member] = {}
+        self._by_seen: OrderedDict[str, Member] = OrderedDict()  # alive members, least recently seen first
         self.worker_exits: list[dict[str, Any]] = []
+        self.udp_port: int | None = None  # set once the UDP listener is bound
+        self.stats = {"udp_beats": 0, "udp_inventories": 0, "udp_rejected": 0, "udp_unknown": 0, "udp_replayed": 0, "http_beats": 0}
+        # The ring view: a version bumped by every membership event, under a random epoch (a
+        # restarted data server starts a new epoch, so no daemon mistakes old versions for new).
+        self.epoch = int.from_bytes(os.urandom(8), "big")
+        self.version = 0
+        self._events: list[list[str]] = []  # the last events; _events[i] took the view from _events_base + i to + i + 1
+        self._events_base = 0
+        self._ring: list[str] = []  # alive node ids, sorted
+        self._view_head: bytes | None = None  # the encoded whole view, at most _VIEW_REFRESH_S old
+        self._view_built = -1.0
+        self._view_version = 0
+        self._deltas: dict[int, bytes | None] = {}
 
-    def heartbeat(self, node_id: str, address: str, budget_bytes: int, inventory: dict[str, Any], workers: list[dict[str, Any]], exited: list[dict[str, Any]]) -> dict[str, Any]:
-        """Record a node's heartbeat (its first one registers it); returns the ring view."""
+    # ---- membership changes ----
+
+    def _changed(self, event: list[str]) -> None:
+        self.version += 1
+        self._events.append(event)
+        if len(self._events) > _MAX_EVENTS:
+            drop = len(self._events) - _MAX_EVENTS
+            del self._events[:drop]
+            self._events_base += drop
+        self._deltas.clear()
+
+    def _seen(self, m: Member, now: float) -> None:
+        m.last_seen = now
+        self._by_seen[m.node_id] = m
+        self._by_seen.move_to_end(m.node_id)
+
+    def heartbeat(
+        self,
+        node_id: str,
+        address: str,
+        budget_bytes: int,
+        inventory: dict[str, Any],
+        workers: list[dict[str, Any]],
+        exited: list[dict[str, Any]],
+        udp: dict[str, Any] | None = None,
+    ) -> None:
+        """Record a node's full heartbeat (its first one registers it). ``udp`` registers the
+        daemon's UDP session: ``{"session": 16 hex digits, "counter": n, "inv_version": v}``."""
         now = time.monotonic()
         m = self.members.get(node_id)
         if m is None or not m.alive:
             log.info("node joined" if m is None else "node back", extra={"node": node_id, "address": address})
             m = Member(node_id, address, budget_bytes, now)
             self.members[node_id] = m
-        m.address, m.budget_bytes, m.last_seen = address, budget_bytes, now
-        m.inventory, m.workers = inventory, workers
+            bisect.insort(self._ring, node_id)
+            self._changed(["+", node_id, address])
+        elif m.address != address:
+            m.address = address
+            self._changed(["+", node_id, address])
+        m.budget_bytes = budget_bytes
+        self._seen(m, now)
+        m.set_inventory(inventory, workers)
+        m.http_beats += 1
+        self.stats["http_beats"] += 1
+        if udp is not None:
+            session = bytes.fromhex(udp["session"])
+            m.counter = max(m.counter, int(udp["counter"])) if m.session == session else int(udp["counter"])
+            m.session, m.inv_version = session, int(udp["inv_version"])
         for w in exited:
             log.warning("worker exited", extra={"node": node_id, **w})
             self.worker_exits.append({"node": node_id, "at": time.time(), **w})
         del self.worker_exits[:-256]
-        return self.view(node_id)
+
+    def beat(self, node_id: str, session: bytes, counter: int, kind: int, inv_version: int, payload: bytes, epoch: int, view_version: int) -> bytes | None:
+        """An authenticated UDP beat; returns the answer (without its MAC), or None to stay silent."""
+        m = self.members.get(node_id)
+        if m is None or not m.alive or m.session != session:
+            self.stats["udp_unknown"] += 1
+            return ANSWER_HEADER.pack(ANSWER_MAGIC, STATUS_UNKNOWN, VIEW_CURRENT, counter, self.epoch, self.version)
+        if counter <= m.counter:
+            self.stats["udp_replayed"] += 1
+            return None
+        m.counter = counter
+        self._seen(m, time.monotonic())
+        m.udp_beats += 1
+        self.stats["udp_beats"] += 1
+        status = STATUS_OK
+        if kind == KIND_INV:
+            m.set_raw(payload)
+            m.inv_version = inv_version
+            self.stats["udp_inventories"] += 1
+        elif inv_version != m.inv_version:
+            status = STATUS_STALE
+        if epoch == self.epoch and view_version == self.version:
+            return ANSWER_HEADER.pack(ANSWER_MAGIC, status, VIEW_CURRENT, counter, self.epoch, self.version)
+        events = self._delta(view_version) if epoch == self.epoch else None
+        return ANSWER_HEADER.pack(ANSWER_MAGIC, status, VIEW_FULL if events is None else VIEW_EVENTS, counter, self.epoch, self.version) + (events or b"")
+
+    def _delta(self, since: int) -> bytes | None:
+        """The encoded events from view version ``since`` to now, or None if gone or too big."""
+        if since in self._deltas:
+            return self._deltas[since]
+        out = None
+        if self._events_base <= since < self.version:
+            out = json.dumps(self._events[since - self._events_base :], separators=(",", ":")).encode()
+            if len(out) > _MAX_EVENT_BYTES:
+                out = None
+        self._deltas[since] = out
+        return out
 
     def sweep(self) -> list[str]:
-        """Declare nodes silent for too long dead; returns those newly declared."""
+        """Declare nodes silent for too long dead; returns those newly declared. Only the least
+        recently seen members are looked at, so a sweep costs O(newly dead), not O(members)."""
         now = time.monotonic()
+        limit = now - self.dead_after_s
         newly = []
-        for m in self.members.values():
-            if m.alive and now - m.last_seen > self.dead_after_s:
-                m.alive, m.dead_since = False, now
-                newly.append(m.node_id)
-                log.warning("node declared dead", extra={"node": m.node_id, "silent_s": round(now - m.last_seen, 3)})
+        while self._by_seen:
+            m = next(iter(self._by_seen.values()))
+            if m.last_seen >= limit:
+                break
+            self._by_seen.popitem(last=False)
+            del self._ring[bisect.bisect_left(self._ring, m.node_id)]
+            m.alive, m.dead_since = False, now
+            newly.append(m.node_id)
+            self._changed(["-", m.node_id])
+            log.warning("node declared dead", extra={"node": m.node_id, "silent_s": round(now - m.last_seen, 3)})
         return newly
 
+    # ---- the ring view ----
+
     def ring(self) -> list[str]:
-        return sorted(n for n, m in self.members.items() if m.alive)
+        return list(self._ring)
 
     def successor(self, node_id: str) -> str | None:
-        ring = self.ring()
-        if node_id not in ring or len(ring) < 2:
+        ring = self._ring
+        i = bisect.bisect_left(ring, node_id)
+        if i == len(ring) or ring[i] != node_id or len(ring) < 2:
             return None
-        return ring[(ring.index(node_id) + 1) % len(ring)]
+        return ring[(i + 1) % len(ring)]
 
-    def view(self, node_id: str) -> dict[str, Any]:
-        succ = self.successor(node_id)
+    def dead(self) -> list[str]:
+        return sorted(n for n, m in self.members.items() if not m.alive)
+
+    def view(self, node_id: str | None = None) -> dict[str, Any]:
+        """The ring view: ring, alive members' addresses, dead nodes, and ``node_id``'s successor."""
+        succ = self.successor(node_id) if node_id else None
         return {
+            "epoch": self.epoch,
+            "version": self.version,
             "ring": self.ring(),
+            "members": {n: self.members[n].address for n in self.ring()},
+            "dead": self.dead(),
             "successor": succ,
             "successor_address": self.members[succ].address if succ else None,
-            "dead": sorted(n for n, m in self.members.items() if not m.alive),
+            "udp_port": self.udp_port,
         }
+
+    def view_bytes(self, node_id: str | None = None) -> bytes:
+        """``view(node_id)`` as JSON. The part shared by every node is encoded at most every
+        ``_VIEW_REFRESH_S`` (so a storm of joins does not encode it once per join): it may be
+        that much behind, consistently with the version it names, and the node's next beats
+        bring it the events since."""
+        now = time.monotonic()
+        if self._view_head is None or (self._view_version != self.version and now - self._view_built >= _VIEW_REFRESH_S):
+            self._view_built, self._view_version = now, self.version
+            ring = self._ring
+            head = {"epoch": self.epoch, "version": self.version, "ring": ring, "members": {n: self.members[n].address for n in ring}, "dead": self.dead()}
+            self._view_head = json.dumps(head, separators=(",", ":")).encode()[:-1]
+        succ = self.successor(node_id) if node_id else None
+        tail = {"successor": succ, "successor_address": self.members[succ].address if succ else None, "udp_port": self.udp_port}
+        return self._view_head + b"," + json.dumps(tail, separators=(",", ":")).encode()[1:]
 
     def status(self, job: str) -> dict[str, Any]:
         """Members, ring, dead nodes, where each role's shards are, and the restorable step."""
@@ -107,9 +341,67 @@ class Coordinator:
                 for n, m in sorted(self.members.items())
             },
             "ring": self.ring(),
-            "dead": sorted(n for n, m in self.members.items() if not m.alive),
+            "dead": self.dead(),
             "restorable_step": restorable,
             "roles": sorted(expected),
             "shard_locations": {r: {str(s): nodes for s, nodes in sorted(steps.items())} for r, steps in sorted(locations.items())},
             "worker_exits": [w for w in self.worker_exits if w.get("job") in (None, job)][-32:],
         }
+
+
+class HeartbeatProtocol(asyncio.DatagramProtocol):
+    """The coordinator's UDP listener: authenticates each datagram and answers it."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        assert coordinator.key is not None, "UDP heartbeats need the job token"
+        self.coordinator = coordinator
+        self.key: bytes = coordinator.key
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)  # uvloop's is not a subclass
+
+    def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+        c = self.coordinator
+        n = len(data)
+        if n < BEAT_HEADER.size + MAC_BYTES or n > MAX_DATAGRAM or data[:4] != BEAT_MAGIC:
+            c.stats["udp_rejected"] += 1
+            return
+        body = data[:-MAC_BYTES]
+        if not hmac.compare_digest(hmac.digest(self.key, body, "sha256")[:MAC_BYTES], data[-MAC_BYTES:]):
+            c.stats["udp_rejected"] += 1
+            return
+        _, kind, idlen, session, counter, inv_version, epoch, view_version = BEAT_HEADER.unpack_from(body)
+        end = BEAT_HEADER.size + idlen
+        try:
+            node_id = body[BEAT_HEADER.size : end].decode()
+        except UnicodeDecodeError:
+            c.stats["udp_rejected"] += 1
+            return
+        answer = c.beat(node_id, session, counter, kind, inv_version, body[end:], epoch, view_version)
+        if answer is not None and self.transport is not None:
+            self.transport.sendto(answer + hmac.digest(self.key, answer, "sha256")[:MAC_BYTES], addr)
+
+    def error_received(self, exc: Exception) -> None:  # e.g. an ICMP error for an earlier answer
+        pass
+
+
+async def listen_udp(coordinator: Coordinator, host: str, port: int, rcvbuf: int = 4 << 20) -> asyncio.DatagramTransport:
+    """Bind the heartbeat listener (``port`` 0: any free port) and record its port."""
+    import socket
+
+    loop = asyncio.get_running_loop()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        # a round of 4,096 beats must fit while the loop is busy elsewhere; the kernel caps this at
+        # net.core.rmem_max
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"cannot listen for UDP heartbeats on {host}:{port}: {exc}") from exc
+    transport, _ = await loop.create_datagram_endpoint(lambda: HeartbeatProtocol(coordinator), sock=sock)
+    coordinator.udp_port = sock.getsockname()[1]
+    log.info("listening for UDP heartbeats", extra={"host": host, "port": coordinator.udp_port, "rcvbuf": sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)})
+    return transport

@@ -1,19 +1,40 @@
 """The daemon's heartbeat to the coordinator: every second, or at once when a local worker exits.
 
-Each heartbeat carries the whole shard inventory and the live local workers, so a restarted data
-server rebuilds its membership from one round. The answer names the replication ring and this
-node's successor (used by replication, a later piece).
+The coordinator holds the whole shard inventory and the live local workers of every node, so a
+restarted data server rebuilds its membership from one round. Registration is a full HTTP
+heartbeat; then liveness is a small UDP datagram (HMAC with the job token) carrying the
+inventory only when it changed — see ``Heartbeat.run`` and ``dataserver/coordinator.py``. The
+answers keep ``view``: the replication ring, this node's successor, dead nodes and the alive
+members' addresses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import socket
 import time
+import urllib.parse
 from typing import Any
 
 import aiohttp
 
+from dataserver.coordinator import (
+    BEAT_HEADER,
+    KIND_BEAT,
+    KIND_INV,
+    MAC_BYTES,
+    MAX_DATAGRAM,
+    STATUS_STALE,
+    STATUS_UNKNOWN,
+    VIEW_EVENTS,
+    VIEW_FULL,
+    decode_answer,
+    encode_beat,
+    encode_inventory,
+)
 from statestore.config import DaemonConfig
 from statestore.slots import SlotStore
 
@@ -48,40 +69,233 @@ class Heartbeat:
         return out
 
     async def run(self) -> None:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        url = f"{self.config.dataserver}/v1/nodes/heartbeat"
+        """Heartbeat every ``heartbeat_s`` (at once when a local worker exits) until cancelled.
+
+        A full HTTP heartbeat registers this daemon process (and its UDP session) and learns the
+        coordinator's UDP port; it is sent first, whenever workers exited, when the address
+        changed or the inventory is too big for a datagram, and whenever UDP goes unanswered or
+        the coordinator answers "unknown node" (it restarted, or declared this node dead). The
+        other beats are authenticated UDP datagrams carrying the inventory only when it changed;
+        their answer brings the ring view's missed membership events (or asks for a GET of the
+        whole view).
+        """
         # A fixed rate from a deadline (a slow answer does not stretch the period) and a timeout
         # well inside it, so one slow round trip cannot make this node look silent.
         timeout = aiohttp.ClientTimeout(total=max(0.2, self.config.heartbeat_s / 2))
         next_at = time.monotonic()
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                next_at += self.config.heartbeat_s
-                exited, self._exited = self._exited, []
-                body = {
-                    "node_id": self.config.node_id,
-                    "address": self.address,
-                    "budget_bytes": self.config.budget_bytes,
-                    "inventory": self.inventory(),
-                    "workers": list(self.workers.values()),
-                    "exited": exited,
-                }
-                try:
-                    async with session.post(url, json=body, headers=headers) as resp:
-                        if resp.status != 200:
-                            raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=(await resp.text())[:300])
-                        self.view = await resp.json()
-                        self.sent += 1
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    self._exited = exited + self._exited  # say it again next time
-                    self.failed += 1
-                    if time.monotonic() - self._last_warning > 10:
-                        self._last_warning = time.monotonic()
-                        log.warning("heartbeat failed", extra={"dataserver": self.config.dataserver, "error": str(exc)})
-                try:
-                    await asyncio.wait_for(self._now.wait(), timeout=max(0.0, next_at - time.monotonic()))
-                    next_at = time.monotonic()  # an urgent beat (a worker exited) restarts the period
-                except asyncio.TimeoutError:
-                    pass
-                self._now.clear()
-                next_at = max(next_at, time.monotonic() - self.config.heartbeat_s)
+            beats = _Beats(self, session)
+            try:
+                while True:
+                    next_at += self.config.heartbeat_s
+                    await beats.beat()
+                    try:
+                        await asyncio.wait_for(self._now.wait(), timeout=max(0.0, next_at - time.monotonic()))
+                        next_at = time.monotonic()  # an urgent beat (a worker exited) restarts the period
+                    except asyncio.TimeoutError:
+                        pass
+                    self._now.clear()
+                    next_at = max(next_at, time.monotonic() - self.config.heartbeat_s)
+            finally:
+                beats.close()
+
+
+class _Answers(asyncio.DatagramProtocol):
+    """Authentic coordinator answers, handed to the beat waiting for their counter."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.waiting: dict[int, asyncio.Future[tuple[int, int, int, int, int, bytes]]] = {}
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        answer = decode_answer(self.key, data)
+        if answer is not None and (fut := self.waiting.pop(answer[2], None)) is not None and not fut.done():
+            fut.set_result(answer)
+
+    def error_received(self, exc: Exception) -> None:  # an ICMP error: the beat stays unanswered
+        pass
+
+
+class _Beats:
+    """The transport state of one daemon process's heartbeats (see ``Heartbeat.run``)."""
+
+    def __init__(self, hb: Heartbeat, http: aiohttp.ClientSession) -> None:
+        self.hb, self.http = hb, http
+        self.url = hb.config.dataserver.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {hb.token}"} if hb.token else {}
+        self.key = hb.token.encode() if hb.token else None
+        self.session_id = os.urandom(8)  # this process's UDP session, registered over HTTP
+        self.counter = 0  # every message takes the next value; the coordinator drops replays
+        self.inv_version = 0  # the version of the inventory the coordinator acknowledged
+        self.acked: tuple[str, int, bytes | None] | None = None  # (address, budget, inventory payload) it holds
+        self.udp_port: int | None = None
+        self.udp_addr: Any = None
+        self.transport: asyncio.DatagramTransport | None = None
+        self.answers: _Answers | None = None
+        self.udp_failures = 0
+        self.udp_off_until = 0.0
+        self.attempt_s = max(0.02, min(0.15, hb.config.heartbeat_s / 8))  # a datagram is resent once after this
+        self.epoch, self.version = 0, 0  # of the ring view held in members/dead
+        self.members: dict[str, str] = {}
+        self.dead: set[str] = set()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    async def beat(self) -> None:
+        hb = self.hb
+        inventory, workers = hb.inventory(), list(hb.workers.values())
+        payload = encode_inventory(inventory, workers)
+        ident = (hb.address, hb.config.budget_bytes)
+        fits = BEAT_HEADER.size + len(hb.config.node_id.encode()) + len(payload) + MAC_BYTES <= MAX_DATAGRAM
+        if (
+            self.acked is not None
+            and self.acked[:2] == ident
+            and not hb._exited
+            and self.udp_port is not None
+            and fits
+            and time.monotonic() >= self.udp_off_until
+            and await self._udp(payload)
+        ):
+            return
+        await self._full(inventory, workers, payload, ident)
+
+    async def _udp(self, payload: bytes) -> bool:
+        """One UDP beat (sent again once if unanswered); False if a full heartbeat must follow."""
+        assert self.key is not None and self.acked is not None
+        if not await self._open_udp():
+            return False
+        assert self.transport is not None and self.answers is not None
+        kind = KIND_BEAT if payload == self.acked[2] else KIND_INV
+        answer, inv = None, self.inv_version
+        for _ in range(2):
+            self.counter += 1
+            counter = self.counter
+            inv = counter if kind == KIND_INV else self.inv_version
+            datagram = encode_beat(self.key, kind, self.hb.config.node_id, self.session_id, counter, inv, self.epoch, self.version, payload if kind == KIND_INV else b"")
+            fut = asyncio.get_running_loop().create_future()
+            self.answers.waiting[counter] = fut
+            try:
+                self.transport.sendto(datagram, self.udp_addr)
+                answer = await asyncio.wait_for(fut, self.attempt_s)
+                break
+            except (asyncio.TimeoutError, OSError):
+                pass
+            finally:
+                self.answers.waiting.pop(counter, None)
+        if answer is None:
+            self.udp_failures += 1
+            if self.udp_failures >= 3:  # UDP blocked on the way? HTTP only for a while
+                self.udp_off_until = time.monotonic() + 60
+                self.udp_failures = 0
+                log.warning("UDP heartbeats unanswered; using HTTP for 60 s", extra={"dataserver": self.url, "udp_port": self.udp_port})
+            return False
+        self.udp_failures = 0
+        status, view, _, epoch, version, events = answer
+        if status == STATUS_UNKNOWN:
+            return False
+        self.hb.sent += 1
+        if status == STATUS_STALE:
+            self.acked = (*self.acked[:2], None)  # the next beat carries the inventory
+        elif kind == KIND_INV:
+            self.acked, self.inv_version = (*self.acked[:2], payload), inv
+        if view == VIEW_EVENTS and epoch == self.epoch:
+            try:
+                for event in json.loads(events):
+                    if event[0] == "+":
+                        self.members[str(event[1])] = str(event[2])
+                        self.dead.discard(str(event[1]))
+                    else:
+                        self.members.pop(str(event[1]), None)
+                        self.dead.add(str(event[1]))
+            except (ValueError, TypeError, IndexError):
+                view = VIEW_FULL
+            else:
+                self.version = version
+                self._publish()
+        if view == VIEW_FULL or (view == VIEW_EVENTS and epoch != self.epoch):
+            await self._get_view()
+        return True
+
+    async def _open_udp(self) -> bool:
+        if self.udp_addr is not None:
+            return True
+        assert self.key is not None and self.udp_port is not None
+        loop = asyncio.get_running_loop()
+        try:
+            host = urllib.parse.urlsplit(self.url).hostname or "127.0.0.1"
+            family, _, _, _, addr = (await loop.getaddrinfo(host, self.udp_port, type=socket.SOCK_DGRAM))[0]
+            if self.transport is None or self.transport.get_extra_info("socket").family != family:
+                self.close()
+                self.transport, self.answers = await loop.create_datagram_endpoint(lambda: _Answers(self.key or b""), family=family)
+        except OSError as exc:
+            log.warning("cannot open the UDP heartbeat socket", extra={"dataserver": self.url, "error": str(exc)})
+            self.udp_off_until = time.monotonic() + 60
+            return False
+        self.udp_addr = addr
+        return True
+
+    async def _full(self, inventory: dict[str, Any], workers: list[dict[str, Any]], payload: bytes, ident: tuple[str, int]) -> None:
+        hb = self.hb
+        exited, hb._exited = hb._exited, []
+        self.counter += 1
+        body: dict[str, Any] = {
+            "node_id": hb.config.node_id,
+            "address": ident[0],
+            "budget_bytes": ident[1],
+            "inventory": inventory,
+            "workers": workers,
+            "exited": exited,
+        }
+        if self.key is not None:
+            body["udp"] = {"session": self.session_id.hex(), "counter": self.counter, "inv_version": self.counter}
+        try:
+            async with self.http.post(f"{self.url}/v1/nodes/heartbeat", json=body, headers=self.headers) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=(await resp.text())[:300])
+                answer = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            hb._exited = exited + hb._exited  # say it again next time
+            hb.failed += 1
+            if time.monotonic() - hb._last_warning > 10:
+                hb._last_warning = time.monotonic()
+                log.warning("heartbeat failed", extra={"dataserver": hb.config.dataserver, "error": str(exc)})
+            return
+        hb.sent += 1
+        self.acked, self.inv_version = (*ident, payload), self.counter
+        if not (isinstance(answer, dict) and "members" in answer and "epoch" in answer):
+            hb.view = answer  # a data server without UDP heartbeats
+            self.udp_port = None
+            return
+        self._set_view(answer)
+        port = answer.get("udp_port")
+        if port != self.udp_port:
+            self.udp_port, self.udp_addr = (int(port) if port else None), None
+
+    async def _get_view(self) -> None:
+        try:
+            async with self.http.get(f"{self.url}/v1/nodes/view", params={"node_id": self.hb.config.node_id}) as resp:
+                resp.raise_for_status()
+                self._set_view(await resp.json())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+            log.warning("cannot fetch the ring view", extra={"dataserver": self.url, "error": str(exc)})
+
+    def _set_view(self, answer: dict[str, Any]) -> None:
+        self.epoch, self.version = int(answer["epoch"]), int(answer["version"])
+        self.members = {str(n): str(a) for n, a in answer["members"].items()}
+        self.dead = {str(n) for n in answer["dead"]}
+        self._publish()
+
+    def _publish(self) -> None:
+        ring = sorted(self.members)
+        me = self.hb.config.node_id
+        succ = ring[(ring.index(me) + 1) % len(ring)] if me in self.members and len(ring) >= 2 else None
+        self.hb.view = {
+            "ring": ring,
+            "successor": succ,
+            "successor_address": self.members[succ] if succ else None,
+            "dead": sorted(self.dead),
+            "members": dict(self.members),
+            "version": self.version,
+        }
