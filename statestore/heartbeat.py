@@ -36,6 +36,7 @@ from dataserver.coordinator import (
     encode_inventory,
 )
 from statestore.config import DaemonConfig
+from statestore.replicas import ReplicaStore
 from statestore.slots import SlotStore
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Heartbeat:
         self.slots = slots
         self.token = token
         self.address = ""  # set once the ops port is bound
+        self.replicas: ReplicaStore | None = None  # listed in the inventory once complete
         self.workers: dict[int, dict[str, Any]] = {}  # connection id → {pid, job, role|dp_rank}
         self._exited: list[dict[str, Any]] = []
         self._now = asyncio.Event()
@@ -60,12 +62,19 @@ class Heartbeat:
         self._now.set()
 
     def inventory(self) -> dict[str, dict[str, list[dict[str, Any]]]]:
+        """job → role → the committed versions held here: this node's own saves, then complete,
+        verified replicas (a role saving here and replicated here lists both)."""
         out: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for rs in self.slots.roles.values():
             out.setdefault(rs.job, {})[rs.role] = [
                 {"step": v.step, "checksum": v.checksum, "nbytes": v.nbytes, "layout_roles": v.header.get("layout_roles", [rs.role])}
                 for v in rs.newest()
             ]
+        if self.replicas is not None:
+            for (job, role), versions in self.replicas.complete.items():
+                entries = out.setdefault(job, {}).setdefault(role, [])
+                for r in versions.values():
+                    entries.append({"step": r.step, "checksum": r.checksum, "nbytes": r.nbytes, "layout_roles": r.header.get("layout_roles", [role]), "replica_of": r.source})
         return out
 
     async def run(self) -> None:

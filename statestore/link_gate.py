@@ -14,7 +14,8 @@ delayed by at most the chunk already in flight. Three signals, in order of trust
 
 When the gate is contended, waiters go in the priority order of DESIGN.md: the batch a local
 worker needs next, replication of the newest committed version, prefetch further ahead, the
-durable tier.
+durable tier. The first passes even while TRAIN runs (only the rate cap holds it): a worker
+blocked on it is part of the collective TRAIN is waiting for.
 """
 
 from __future__ import annotations
@@ -162,9 +163,13 @@ class LinkGate:
         self.pauses = 0
         self.last_reason = ""
 
-    def closed_because(self) -> str:
-        """Why the gate is closed now ("" when open)."""
-        if not self.enabled:
+    def closed_because(self, priority: Priority = Priority.REPLICATE) -> str:
+        """Why the gate is closed now for ``priority`` ("" when open).
+
+        The batch a local worker is blocked on passes regardless of TRAIN: that worker holds up
+        its collective, so the training network would wait on the gate, which waits on the
+        training network (a deadlock, seen in the node-loss test before this rule)."""
+        if not self.enabled or priority == Priority.NEXT_BATCH:
             return ""
         if self.hints.busy():
             return "hint"
@@ -179,7 +184,7 @@ class LinkGate:
         paused = False
         try:
             while True:
-                reason = self.closed_because()
+                reason = self.closed_because(priority)
                 if not reason and any(self._waiting[p] for p in Priority if p < priority):
                     reason = "priority"
                 if not reason:

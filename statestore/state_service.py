@@ -44,6 +44,7 @@ class StateService:
         self._tasks: set[asyncio.Task[None]] = set()
         self.durable_written = 0
         self.pulled_bytes = 0
+        self._pulls: dict[tuple[str, str, int], asyncio.Future[LocalShard]] = {}
 
     def begin(self, job: str, role: str, step: int) -> str:
         # a slot still being copied to the durable tier must not be overwritten
@@ -122,7 +123,7 @@ class StateService:
             candidates = sorted((s for s in common if below is None or s < below), reverse=True)
         if not candidates:
             if not any(have):  # nothing in memory anywhere: a fresh job, or one restarted from disk
-                return await self._durable(job, expected, f"no copy of job {job!r} in memory on any live node")
+                return await self._durable(job, expected, "")
             lost = sorted(r for r, h in zip(expected, have) if not h)
             dead = status.get("dead", [])
             reason = (
@@ -131,19 +132,29 @@ class StateService:
             )
             return await self._durable(job, expected, reason)
         chosen = candidates[0]
-        shards = {}
-        for r in roles:
-            shard = self.local(job, r, chosen)
-            if shard is None:
-                shard = await self._pull(job, r, chosen, [(n, alive[n]) for n in where[r][chosen] if n != self.node_id])
-            shards[r] = self._shard_reply(shard)
-        return {"step": chosen, "source": "memory", "shards": shards}
+
+        async def here(r: str) -> LocalShard:
+            return self.local(job, r, chosen) or await self._pull(job, r, chosen, [(n, alive[n]) for n in where[r][chosen] if n != self.node_id])
+
+        got = await asyncio.gather(*(here(r) for r in roles))  # the missing ones pulled in parallel
+        return {"step": chosen, "source": "memory", "shards": {r: self._shard_reply(g) for r, g in zip(roles, got)}}
 
     def _local_steps(self, job: str, role: str) -> list[int]:
         rs = self.slots.roles.get((job, role))
         return sorted(set(rs.versions if rs else []) | set(self.replicas.complete.get((job, role), {})))
 
     async def _pull(self, job: str, role: str, step: int, holders: list[tuple[str, str]]) -> LocalShard:
+        """Fetch a shard from the first holder that answers; workers of this node asking for the
+        same shard at once share one transfer."""
+        key = (job, role, step)
+        pending = self._pulls.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._pull_once(job, role, step, holders))
+            self._pulls[key] = pending
+            pending.add_done_callback(lambda _: self._pulls.pop(key, None))
+        return await asyncio.shield(pending)
+
+    async def _pull_once(self, job: str, role: str, step: int, holders: list[tuple[str, str]]) -> LocalShard:
         assert self.peers is not None
         errors = []
         for node, base in holders:
@@ -162,10 +173,10 @@ class StateService:
         if self.durable.directory is not None:
             dstep, dshards = await asyncio.to_thread(durable.restorable, self.durable.directory, job, roles)
             if dstep is not None:
-                message = f"{reason}: restoring step {dstep} from the durable tier {self.durable.directory}"
+                message = f"{reason or 'nothing in memory'}: restoring step {dstep} from the durable tier {self.durable.directory}"
                 log.warning(message, extra={"job": job, "step": dstep})
                 return {"step": dstep, "source": "durable", "shards": dshards, "message": message}
-        return {"step": None, "source": None, "shards": {}, "message": reason}
+        return {"step": None, "source": None, "shards": {}, "message": reason or None}
 
     def _shard_reply(self, shard: LocalShard | None) -> dict[str, Any]:
         assert shard is not None

@@ -12,6 +12,7 @@ from trainer_client.errors import (
     TransportError,
     UnauthorisedError,
 )
+from trainer_client.link_hints import LinkHints
 from trainer_client.razor import Layout
 from trainer_client.state_codec import StateError
 
@@ -21,6 +22,7 @@ __all__ = sorted(
         "CapacityError",
         "Checkpointer",
         "Layout",
+        "LinkHints",
         "Restored",
         "StateError",
         "CorruptError",

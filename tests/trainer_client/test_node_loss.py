@@ -1,0 +1,107 @@
+"""A whole node lost and a link cut under a 3-node x 2-worker DDP job (gloo, CPU): every role
+restores the same step from the surviving copies, wherever it lands, and the run ends bitwise-equal
+to one without failures. Runs on loopback, and in network namespaces when root."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests._servers import TOKEN, until
+from tests.conftest import create_job
+from tests.trainer_client._ddp_cluster import DdpRun, losses
+from trainer_client.local_cluster import LocalCluster
+from trainer_client.netns import Netns, available, leftovers
+
+STEPS = 24
+NETNS_WHY = available()
+
+
+@pytest.fixture(params=["loopback", "netns"])
+def cluster(request: pytest.FixtureRequest, tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
+    net = None
+    if request.param == "netns":
+        if NETNS_WHY:
+            pytest.skip(NETNS_WHY)
+        net = Netns(5, rate="1gbit")  # the data server, three nodes, one replacement
+    try:
+        with LocalCluster(tmp_path, data_dir, TOKEN, net=net) as c:
+            yield c
+    finally:
+        if net is not None:
+            net.close()
+    assert not [n for n in leftovers() if net is not None and n.startswith(net.tag)]
+
+
+def _status(c: LocalCluster, job: str) -> dict[str, Any]:
+    assert c.dataserver is not None
+    return httpx.get(f"{c.dataserver.url}/v1/jobs/{job}/status").json()
+
+
+def _cut(c: LocalCluster, node: int) -> None:
+    if c.net is not None:
+        c.net.cut(c.net.nodes[node + 1])
+    else:  # loopback cannot drop packets: a frozen daemon is silent the same way
+        os.kill(c.daemons[node].pid, signal.SIGSTOP)
+
+
+def _heal(c: LocalCluster, node: int) -> None:
+    if c.net is not None:
+        c.net.heal(c.net.nodes[node + 1])
+    else:
+        os.kill(c.daemons[node].pid, signal.SIGCONT)
+
+
+def test_node_loss_and_cut_link_end_bitwise_equal(cluster: LocalCluster, tmp_path: Path) -> None:
+    ds = cluster.start_dataserver()
+    for _ in range(3):
+        cluster.start_daemon(budget_mb=256)
+    until(lambda: len(_status(cluster, "lost")["ring"]) == 3)
+    for name in ("straight", "lost"):
+        create_job(ds, name=name, dp=6, batch_per_rank=4, max_steps=STEPS)
+        (tmp_path / name).mkdir()
+    runs: list[DdpRun] = []
+    try:
+        runs.append(DdpRun(cluster, tmp_path / "straight", "straight", [0, 0, 1, 1, 2, 2], STEPS))
+        runs[-1].wait()
+
+        out = tmp_path / "lost"
+        run = DdpRun(cluster, out, "lost", [0, 0, 1, 1, 2, 2], STEPS)
+        runs.append(run)
+        run.wait_progress(7)
+        run.kill(run.on(1))  # node 1 goes: its workers, its daemon, its shared memory
+        cluster.lose_node(1)
+        run.kill()  # the others fail in their next collective; torchrun restarts them
+        until(lambda: "n1" in _status(cluster, "lost")["dead"], what="n1 declared dead")
+        cluster.start_daemon(index=3, budget_mb=256)  # the replacement node joins
+        until(lambda: "n3" in _status(cluster, "lost")["ring"])
+        # roles do not stay on nodes: ranks 0-1 now run on the new node, 2-3 (whose node died) on n0
+        run = DdpRun(cluster, out, "lost", [3, 3, 0, 0, 2, 2], STEPS)
+        runs.append(run)
+        run.wait_progress(15)
+
+        _cut(cluster, 2)  # node 2's link goes down: its daemon falls silent, its ranks hang
+        until(lambda: "n2" in _status(cluster, "lost")["dead"], what="the cut node declared dead")
+        run.kill()
+        _heal(cluster, 2)
+        until(lambda: "n2" in _status(cluster, "lost")["ring"], what="the healed node back in the ring")
+        run = DdpRun(cluster, out, "lost", [3, 3, 0, 0, 2, 2], STEPS)
+        runs.append(run)
+        run.wait()
+    finally:
+        for r in runs:
+            r.kill()
+
+    straight = tmp_path / "straight"
+    for rank in range(6):
+        assert (out / f"final-{rank}.txt").read_text() == (straight / f"final-{rank}.txt").read_text()
+        assert losses(out, rank) == losses(straight, rank)  # every step's loss, bit for bit
+        assert sorted(losses(out, rank)) == list(range(STEPS))
+    restores = [line for r in range(6) for line in (out / f"worker-{r}.log").read_text().splitlines() if "restored step" in line]
+    assert len(restores) == 12 and all(line.endswith("from memory") for line in restores)  # two restarts x six ranks
