@@ -86,9 +86,10 @@ def test_restorable_step_spans_nodes_and_a_worker_exit_is_reported(three: LocalC
         for step in range(rank, 4):  # n1's role has committed up to 3, n0's too; n0 also has 0
             ck.save(step, {"w": __import__("torch").ones(10) * step})
         ck.close()
-    status = _until(lambda: (s := httpx.get(three.dataserver.url + "/v1/jobs/job/status").json())["restorable_step"] == 3 and s)  # type: ignore[union-attr]
-    # each role's own node holds step 3 (its ring successor may list a replica too)
-    assert "n0" in status["shard_locations"]["dp0-pp0-tp0"]["3"] and "n1" in status["shard_locations"]["dp1-pp0-tp0"]["3"]
+    _until(lambda: httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["restorable_step"] == 3)  # type: ignore[union-attr]
+    # each role's own node holds step 3 (its ring successor may list a replica too, maybe first)
+    assert _until(lambda: "n0" in httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["shard_locations"]["dp0-pp0-tp0"]["3"])  # type: ignore[union-attr]
+    assert _until(lambda: "n1" in httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["shard_locations"]["dp1-pp0-tp0"]["3"])  # type: ignore[union-attr]
     # a worker process holding a connection to n2's daemon is SIGKILLed: n2 reports it at once
     code = f"import time; from trainer_client import Checkpointer; c = Checkpointer('job', socket_path={str(three.socket(2))!r}); c.save(0, {{'x': 1}}); c.wait(); print('ready', flush=True); time.sleep(60)"
     worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
@@ -172,12 +173,12 @@ def test_datagrams_need_the_token_a_registration_and_a_fresh_counter(tmp_path: P
         ghost.sock.sendto(co.encode_beat(ghost.key, co.KIND_BEAT, "ghost", ghost.session, 99, 0, 0, 0)[:-1] + b"x", ghost.addr)
         ok = ghost.send()
         assert ghost.answer()[2] == ok  # the first answer is to the authentic beat sent after them
-        stats = _nodes(c)["stats"]
-        assert stats["udp_rejected"] == 2 and stats["udp_beats"] == 1
+        # (counters are >=: a stray daemon of another test may hit this ephemeral port too)
+        assert _node(c, "ghost")["udp_beats"] == 1 and _nodes(c)["stats"]["udp_rejected"] >= 2
         # a replayed datagram (an old counter) is dropped too
         ghost.send(counter=ok)
         ok2 = ghost.send()
-        assert ghost.answer()[2] == ok2 and _nodes(c)["stats"]["udp_replayed"] == 1
+        assert ghost.answer()[2] == ok2 and _node(c, "ghost")["udp_beats"] == 2 and _nodes(c)["stats"]["udp_replayed"] >= 1
         # another session of the same node id (a stranger guessing) is unknown
         ghost.session = os.urandom(8)
         ghost.send()
