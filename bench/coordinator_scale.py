@@ -175,6 +175,7 @@ class UdpSimulator:
         self.inv = [0] * nodes  # the inventory variant the coordinator holds
         self.inv_version = [0] * nodes
         self.views = [(0, 0)] * nodes  # (epoch, version) each node holds
+        self.full_view_after = [0.0] * nodes
         self.counter = 0
         self.pending: dict[int, tuple[int, int, int]] = {}  # counter → (node, kind, variant)
         self.silent: set[int] = set()
@@ -260,7 +261,8 @@ class UdpSimulator:
             if view == co.VIEW_EVENTS:
                 json.loads(events)  # a daemon applies them
                 self.views[i] = (epoch, version)
-            elif view == co.VIEW_FULL:
+            elif view == co.VIEW_FULL and time.monotonic() >= self.full_view_after[i]:
+                self.full_view_after[i] = time.monotonic() + 5.0  # as daemons do
                 self._spawn(self.full_view(i))
         if not self.pending:
             self.drained.set()
@@ -326,11 +328,11 @@ async def _measure_udp(url: str, token: str, pid: int, nodes: int, rounds: int, 
         # a storm of 4,096 registrations overloads 2 cores for a few seconds (decisions.md):
         # measure once every node beats over UDP with the current view
         warmup = 0
-        for warmup in range(1, 16):
+        for warmup in range(1, 21):
             before = (sim.registrations, sim.full_views)
             await sim.round(worst)
             await sim.settle()
-            if (sim.registrations, sim.full_views) == before:
+            if warmup > 6 and (sim.registrations, sim.full_views) == before:  # > the daemons' 5 s between whole views
                 break
         cpu: list[float] = []
         durations: list[float] = []
@@ -363,6 +365,7 @@ async def _measure_udp(url: str, token: str, pid: int, nodes: int, rounds: int, 
             await beat
             sim.silent.discard(victim)
             await sim.round(worst)  # it rejoins (unknown → full heartbeat), the others get the events
+        await sim.settle()
     return {
         "cpu_per_round_s": _summary(cpu),
         "round_s": _summary(durations),

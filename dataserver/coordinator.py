@@ -52,7 +52,7 @@ KIND_BEAT, KIND_INV = 0, 1
 STATUS_OK, STATUS_UNKNOWN, STATUS_STALE = 0, 1, 2  # UNKNOWN: send a full HTTP heartbeat; STALE: resend the inventory
 VIEW_CURRENT, VIEW_EVENTS, VIEW_FULL = 0, 1, 2  # FULL: GET /v1/nodes/view
 _MAX_EVENTS = 1024  # membership events kept for view deltas
-_MAX_EVENT_BYTES = 1200  # larger deltas: the daemon fetches the whole view
+_MAX_EVENT_BYTES = 6000  # larger deltas: the daemon fetches the whole view (~180 KB at 4,096 nodes)
 _VIEW_REFRESH_S = 0.1  # the encoded whole view is rebuilt at most this often (joins come in storms)
 
 

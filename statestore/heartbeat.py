@@ -147,6 +147,7 @@ class _Beats:
         self.epoch, self.version = 0, 0  # of the ring view held in members/dead
         self.members: dict[str, str] = {}
         self.dead: set[str] = set()
+        self.full_view_after = 0.0
 
     def close(self) -> None:
         if self.transport is not None:
@@ -223,7 +224,10 @@ class _Beats:
             else:
                 self.version = version
                 self._publish()
-        if view == VIEW_FULL or (view == VIEW_EVENTS and epoch != self.epoch):
+        if (view == VIEW_FULL or (view == VIEW_EVENTS and epoch != self.epoch)) and time.monotonic() >= self.full_view_after:
+            # at most one whole view every 5 s: in a storm of joins and deaths, 4,096 daemons
+            # fetching ~180 KB each on every beat would feed the storm
+            self.full_view_after = time.monotonic() + 5.0
             await self._get_view()
         return True
 
