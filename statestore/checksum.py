@@ -10,3 +10,8 @@ ALGORITHM = "xxh3_64"
 
 def checksum(data: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def streaming_checksum() -> xxhash.xxh3_64:
+    """The same checksum, fed piece by piece (``update``, then ``hexdigest``)."""
+    return xxhash.xxh3_64()

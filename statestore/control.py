@@ -43,6 +43,7 @@ class ControlServer:
         self.path = path
         self.heartbeat = heartbeat
         self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
 
     async def start(self) -> None:
         self.path.unlink(missing_ok=True)  # a socket file left by a killed daemon
@@ -90,9 +91,21 @@ class ControlServer:
                 self.state.slots.abandon(job, role, slot)
             if self.heartbeat is not None:
                 info = self.heartbeat.workers.pop(rid, None)
-                if info is not None and not _alive(conn.pid):
-                    self.heartbeat.worker_gone(info)
+                if info is not None:
+                    task = asyncio.ensure_future(self._report_if_exited(conn.pid, info))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
             writer.close()
+
+    async def _report_if_exited(self, pid: int, info: dict[str, Any]) -> None:
+        """A SIGKILLed worker's sockets close while the kernel is still tearing the process down
+        (not yet a zombie), so look again for a moment before deciding it only disconnected."""
+        assert self.heartbeat is not None
+        for _ in range(20):
+            if not _alive(pid):
+                self.heartbeat.worker_gone(info)
+                return
+            await asyncio.sleep(0.05)
 
     async def _handle(self, rid: int, msg: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         op = msg.get("op")

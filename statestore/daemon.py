@@ -202,11 +202,11 @@ def create_app(daemon: Daemon) -> FastAPI:
 
     @app.put("/v1/replicas/{job}/{role}/{step}", dependencies=needs_token)
     async def replica_chunk(job: str, role: str, step: int, offset: int, request: Request) -> dict[str, Any]:
-        """One chunk of a replica at ``offset`` (peer API)."""
+        """The replica's bytes from ``offset`` on, streamed; a cut-off transfer resumes where the
+        answer of the next ``begin`` says (peer API)."""
         assert daemon.state is not None
-        data = await request.body()
         try:
-            return {"received": await daemon.state.replicas.write(job, role, step, offset, data)}
+            return {"received": await daemon.state.replicas.receive(job, role, step, offset, request.stream())}
         except SlotError as exc:
             raise HTTPException(exc.status, str(exc)) from exc
 
@@ -233,7 +233,7 @@ def create_app(daemon: Daemon) -> FastAPI:
     def metrics() -> Response:
         nonlocal registry
         assert daemon.cache is not None and daemon.state is not None
-        registry = registry or registry_for(daemon.cache, daemon.state.slots)
+        registry = registry or registry_for(daemon.cache, daemon.state.slots, daemon.gate, daemon.state)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -51,7 +51,7 @@ class GateConfig:
     busy_fraction: float = 0.05  # foreign traffic above this share of the link rate means busy
     hold_s: float = 0.005  # how long foreign traffic keeps the gate closed
     poll_s: float = 0.0005  # how often a closed gate looks again
-    chunk_bytes: int = 256 << 10  # STATE moves in chunks this size (a TRAIN burst waits for one)
+    chunk_bytes: int = 64 << 10  # STATE moves in chunks this size (a TRAIN burst waits for ~one; bench/link_gate.py)
     enabled: bool = True  # off: only the counters run (the ungated baseline of bench/link_gate.py)
 
     def validate(self) -> None:

@@ -8,7 +8,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from statestore.data_cache import DataCache
+from statestore.link_gate import LinkGate
 from statestore.slots import SlotStore
+from statestore.state_service import StateService
 
 
 Family = GaugeMetricFamily | CounterMetricFamily
@@ -74,8 +76,42 @@ class _StateCollector:
         yield from fams.values()
 
 
-def registry_for(cache: DataCache, slots: SlotStore) -> CollectorRegistry:
+class _LinkCollector:
+    """The link gate and replication: what crossed the network, what waited, what lags."""
+
+    def __init__(self, gate: LinkGate, state: StateService) -> None:
+        self.gate, self.state = gate, state
+
+    def collect(self) -> Iterator[Metric]:
+        g = self.gate
+        yield GaugeMetricFamily("ffplane_gate_open", "1 when STATE may use the network now", value=0 if g.closed_because() else 1)
+        sent = CounterMetricFamily("ffplane_gate_bytes", "STATE bytes let through the gate", labels=["priority"])
+        for p, n in g.bytes_by_priority.items():
+            sent.add_metric([p.name.lower()], n)
+        yield sent
+        yield CounterMetricFamily("ffplane_gate_paused_seconds", "Time STATE transfers waited at the gate", value=g.paused_s)
+        yield CounterMetricFamily("ffplane_gate_pauses", "Times a STATE transfer had to wait", value=g.pauses)
+        yield GaugeMetricFamily("ffplane_replica_bytes", "Bytes of replicas and pulled shards held", value=self.state.replicas.held_bytes())
+        yield CounterMetricFamily("ffplane_replica_received_bytes", "Replica bytes received from peers", value=self.state.replicas.received_bytes)
+        yield CounterMetricFamily("ffplane_restore_pulled_bytes", "Shard bytes pulled from peers for restores", value=self.state.pulled_bytes)
+        r = self.state.replicator
+        if r is None:
+            return
+        yield CounterMetricFamily("ffplane_replication_sent_bytes", "Bytes pushed to the ring successor", value=r.bytes_sent)
+        yield CounterMetricFamily("ffplane_replication_pushes", "Shards pushed to the ring successor", value=r.pushes)
+        yield CounterMetricFamily("ffplane_replication_failures", "Pushes that failed (and were resumed)", value=r.failures)
+        yield GaugeMetricFamily("ffplane_replication_pending", "Committed versions waiting to be pushed", value=r.pending())
+        lag = GaugeMetricFamily("ffplane_replication_lag_steps", "Newest committed step minus newest replicated step", labels=["job", "role"])
+        for key, d in r.describe()["roles"].items():
+            job, role = key.split("/", 1)
+            lag.add_metric([job, role], d["committed"] - (d["replicated"] if d["replicated"] is not None else -1))
+        yield lag
+
+
+def registry_for(cache: DataCache, slots: SlotStore, gate: LinkGate | None = None, state: StateService | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(_CacheCollector(cache))
     registry.register(_StateCollector(slots))
+    if gate is not None and state is not None:
+        registry.register(_LinkCollector(gate, state))
     return registry

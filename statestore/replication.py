@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from statestore.replicas import Replica, ReplicaStore
 from statestore.slots import SlotError, SlotStore, Version
 
 log = logging.getLogger(__name__)
+_TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux
 
 
 @dataclass
@@ -80,18 +83,36 @@ class _Peers:
         self.gate = gate
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.session: aiohttp.ClientSession | None = None
+        self.push_session: aiohttp.ClientSession | None = None  # bounded send queue, for pushes
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=30))
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=30)
+        self.session = aiohttp.ClientSession(timeout=timeout)
+        lowat = self.gate.config.chunk_bytes
+
+
+
+        def small_queue(info: Any) -> socket.socket:
+            sock = socket.socket(family=info[0], type=info[1], proto=info[2])
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, lowat)
+            try:  # BBR keeps the bottleneck's queue short: TRAIN does not start behind STATE
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"bbr")
+            except OSError:
+                pass
+            return sock
+
+        self.push_session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(socket_factory=small_queue))
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.push_session):
+            if session is not None:
+                await session.close()
 
-    async def _json(self, method: str, url: str, **kw: Any) -> dict[str, Any]:
-        assert self.session is not None
+    async def _json(self, method: str, url: str, session: aiohttp.ClientSession | None = None, **kw: Any) -> dict[str, Any]:
+        session = session or self.session
+        assert session is not None
         try:
-            async with self.session.request(method, url, headers=self.headers, **kw) as resp:
+            async with session.request(method, url, headers=self.headers, **kw) as resp:
                 if resp.status != 200:
                     raise PeerError(f"{method} {url} answered {resp.status}: {(await resp.text())[:300]}", resp.status)
                 result: dict[str, Any] = await resp.json()
@@ -105,16 +126,33 @@ class _Peers:
         url = f"{base}/v1/replicas/{shard.job}/{shard.role}/{shard.step}"
         meta = {"nbytes": shard.nbytes, "checksum": shard.checksum, "header": shard.header, "source": source}
         offset = int((await self._json("POST", f"{url}/begin", json=meta))["received"])
-        sent = 0
+        if offset >= shard.nbytes:
+            await self._json("POST", f"{url}/commit", params={"newest": str(newest)})
+            return 0
+        # A private copy first (memcpy speed): a save may reuse the slot two commits later, long
+        # before a slow link has carried the whole shard; the copy keeps every pushed byte useful
+        # and saves never wait for the network.
+        staged = await asyncio.to_thread(bytes, shard.view())
+        if not shard.current():
+            raise PeerError(f"{shard.role} step {shard.step} was replaced here while being staged", 409)
+        start = offset
         chunk = self.gate.config.chunk_bytes
-        while offset < shard.nbytes:
-            n = min(chunk, shard.nbytes - offset)
-            data = bytes(shard.view()[offset : offset + n])
-            if not shard.current():
-                raise PeerError(f"{shard.role} step {shard.step} was replaced here while being pushed", 409)
-            await self.gate.acquire(Priority.REPLICATE, n)
-            offset = int((await self._json("PUT", url, params={"offset": str(offset)}, data=data))["received"])
-            sent += n
+        view = memoryview(staged)
+
+        async def body() -> AsyncIterator[memoryview]:
+            # one request, fed a chunk at a time as the gate allows; the connection's small
+            # unsent-bytes limit keeps what is queued when TRAIN starts to about one chunk
+            pos = start
+            while pos < shard.nbytes:
+                n = min(chunk, shard.nbytes - pos)
+                await self.gate.acquire(Priority.REPLICATE, n)
+                yield view[pos : pos + n]
+                pos += n
+
+        offset = int((await self._json("PUT", url, params={"offset": str(start)}, data=body(), session=self.push_session))["received"])
+        sent = offset - start
+        if offset != shard.nbytes:
+            raise PeerError(f"{shard.role} step {shard.step}: the receiver has {offset} of {shard.nbytes} bytes; will resume", 502)
         await self._json("POST", f"{url}/commit", params={"newest": str(newest)})
         return sent
 
@@ -246,6 +284,9 @@ class Replicator:
             if not steps:
                 del self._pending[(job, role)]
 
+    def pending(self) -> int:
+        return sum(len(s) for s in self._pending.values())
+
     def describe(self) -> dict[str, Any]:
         lag = {}
         for rs in self.slots.roles.values():
@@ -255,7 +296,7 @@ class Replicator:
                 lag[f"{rs.job}/{rs.role}"] = {"committed": newest[0].step, "replicated": done[0] if done else None, "to": done[1] if done else None}
         return {
             "successor": self.successor,
-            "pending": sum(len(s) for s in self._pending.values()),
+            "pending": self.pending(),
             "bytes_sent": self.bytes_sent,
             "pushes": self.pushes,
             "failures": self.failures,

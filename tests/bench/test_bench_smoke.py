@@ -41,3 +41,30 @@ def test_coordinator_scale_smoke(tmp_path: Path) -> None:
 
     out = coordinator_scale.main(["--nodes", "16", "--rounds", "1", "--repeats", "1", "--results-dir", str(tmp_path), "--out", "cs"])
     assert out["figures"]["detect_dead_s"]["median"] > 0 and out["figures"]["cpu_per_round_s"]["median"] > 0
+
+
+def _needs_netns() -> None:
+    import pytest
+
+    from trainer_client.netns import available
+
+    why = available()
+    if why:
+        pytest.skip(why)
+
+
+def test_replication_smoke(tmp_path: Path) -> None:
+    _needs_netns()
+    from bench import replication
+
+    out = replication.main(["--mb", "4", "--repeats", "1", "--results-dir", str(tmp_path), "--out", "rp"])
+    for name in ("raw_tcp_gbps", "replication_gbps", "remote_restore_gbps"):
+        assert out["figures"][name]["median"] > 0, name
+
+
+def test_link_gate_smoke(tmp_path: Path) -> None:
+    _needs_netns()
+    from bench import link_gate
+
+    out = link_gate.main(["--bursts", "2", "--burst-mb", "2", "--state-mb", "4", "--repeats", "1", "--results-dir", str(tmp_path), "--out", "lg"])
+    assert out["figures"]["train_alone_s"]["median"] > 0 and out["figures"]["state_bytes_ungated"]["median"] > 0

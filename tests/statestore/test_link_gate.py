@@ -1,0 +1,79 @@
+"""The idle-link gate with real daemons: a training process's hint holds replication back until the
+collective ends; a killed process's stuck hint does not hold it forever; the ops API shows it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests._servers import TOKEN, until
+from trainer_client import Checkpointer, LinkHints
+from trainer_client.local_cluster import LocalCluster
+
+
+@pytest.fixture
+def pair(tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path, data_dir, TOKEN) as c:
+        c.start_dataserver()
+        c.start_daemon(budget_mb=64)
+        c.start_daemon(budget_mb=64)
+        until(lambda: httpx.get(c.daemons[0].url + "/v1/state").json()["coordinator"].get("successor") == "n1")
+        yield c
+
+
+def _get(c: LocalCluster, path: str) -> dict[str, Any]:
+    return httpx.get(c.daemons[0].url + path).json()
+
+
+def _replicated(c: LocalCluster) -> int | None:
+    return ((_get(c, "/v1/state")["replication"] or {})["roles"].get("job/dp0-pp0-tp0") or {}).get("replicated")
+
+
+def test_a_hint_holds_replication_until_the_collective_ends(pair: LocalCluster) -> None:
+    ck = Checkpointer("job", socket_path=pair.socket(0))
+    hints = LinkHints(pair.socket(0))
+    try:
+        with hints.collective():
+            gate = _get(pair, "/v1/gate")
+            assert gate["open"] is False and gate["closed_because"] == "hint"
+            ck.save(1, {"w": torch.ones(1 << 18)})
+            ck.wait()
+            # committed here, but not a byte crosses the link while TRAIN runs
+            until(lambda: _get(pair, "/v1/gate")["pauses"] >= 1, what="the push to wait at the gate")
+            assert _replicated(pair) is None and _get(pair, "/v1/gate")["bytes_by_priority"]["replicate"] == 0
+        until(lambda: _replicated(pair) == 1, what="replication once the collective ended")
+        gate = _get(pair, "/v1/gate")
+        assert gate["open"] and gate["bytes_by_priority"]["replicate"] >= 1 << 20 and gate["paused_s"] > 0
+        assert "ffplane_gate_paused_seconds" in httpx.get(pair.daemons[0].url + "/metrics").text
+    finally:
+        hints.close()
+        ck.close()
+
+
+def test_a_killed_worker_does_not_hold_the_gate(pair: LocalCluster) -> None:
+    code = (
+        "import sys, time\n"
+        "from trainer_client import LinkHints\n"
+        "h = LinkHints(sys.argv[1]); h._add(1); print('busy', flush=True); time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(pair.socket(0))], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "busy"
+        until(lambda: _get(pair, "/v1/gate")["closed_because"] == "hint")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        until(lambda: _get(pair, "/v1/gate")["open"], what="the dead worker's hint to be dropped")
+        assert not (pair.roots[0] / "hints" / str(proc.pid)).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
