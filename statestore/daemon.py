@@ -78,7 +78,7 @@ class Daemon:
         self.heartbeat.address = self.address
         state.peers = _Peers(self.gate, self.token)
         await state.peers.start()
-        state.dataserver, state.token = self.config.dataserver, self.token
+        state.dataserver, state.token, state.gate = self.config.dataserver, self.token, self.gate
         if self.config.replicate:
             state.replicator = Replicator(self.config.node_id, state.slots, state.replicas, self.heartbeat, state.peers)
             self._tasks.append(asyncio.create_task(state.replicator.run(), name="replicator"))

@@ -16,6 +16,7 @@ import logging
 import os
 import struct
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from statestore.checksum import ALGORITHM, checksum
@@ -27,7 +28,12 @@ def step_dir(root: Path, job: str, step: int) -> Path:
     return root / job / f"step-{step:012d}"
 
 
-def write_shard(root: Path, job: str, role: str, step: int, data: memoryview, digest: str, header: dict[str, Any]) -> Path:
+def write_shard(
+    root: Path, job: str, role: str, step: int, data: memoryview, digest: str, header: dict[str, Any],
+    admit: Callable[[int], None] | None = None, chunk: int = 4 << 20,
+) -> Path:
+    """Write one shard file (temp file, fsync, rename). ``admit(n)`` is called before each chunk
+    of ``n`` bytes: the daemon's link gate, when the durable directory is a network file system."""
     directory = step_dir(root, job, step)
     directory.mkdir(parents=True, exist_ok=True)
     meta = {"ffplane_header": json.dumps(header), "checksum": digest, "algorithm": ALGORITHM, "step": str(step), "role": role, "job": job}
@@ -38,7 +44,10 @@ def write_shard(root: Path, job: str, role: str, step: int, data: memoryview, di
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
-        f.write(data)
+        for at in range(0, len(data), chunk):
+            if admit is not None:
+                admit(min(chunk, len(data) - at))
+            f.write(data[at : at + chunk])
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)

@@ -159,7 +159,8 @@ class LinkGate:
         self._next_free = 0.0  # token bucket: when the cap allows the next byte
         self.bytes_by_priority = {p: 0 for p in Priority}
         self.own_bytes = 0
-        self.paused_s = 0.0
+        self.paused_s = 0.0  # waiting for TRAIN (hints, interface) or a higher priority
+        self.throttled_s = 0.0  # waiting for the rate cap
         self.pauses = 0
         self.last_reason = ""
 
@@ -198,6 +199,7 @@ class LinkGate:
                 start = max(now, self._next_free)
                 self._next_free = start + nbytes / self.config.rate_cap_bytes_s
                 if start > now:
+                    self.throttled_s += start - now
                     await asyncio.sleep(start - now)
         finally:
             self._waiting[priority] -= 1
@@ -216,6 +218,7 @@ class LinkGate:
             "bytes_sent": self.own_bytes,
             "bytes_by_priority": {p.name.lower(): n for p, n in self.bytes_by_priority.items()},
             "paused_s": round(self.paused_s, 6),
+            "throttled_s": round(self.throttled_s, 6),
             "pauses": self.pauses,
             "waiting": {p.name.lower(): n for p, n in self._waiting.items() if n},
             "config": {

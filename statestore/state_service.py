@@ -13,6 +13,7 @@ import aiohttp
 
 from statestore import durable
 from statestore.checksum import checksum
+from statestore.link_gate import LinkGate, Priority
 from statestore.replicas import ReplicaStore
 from statestore.replication import LocalShard, PeerError, Replicator, _Peers, find_local
 from statestore.slots import SlotError, SlotStore, Version
@@ -38,6 +39,7 @@ class StateService:
         self.node_id = node_id
         self.replicator: Replicator | None = None  # set once the daemon runs (needs the ring)
         self.peers: _Peers | None = None
+        self.gate: LinkGate | None = None  # durable copies wait at it too (the directory may be remote)
         self.dataserver = ""  # coordinator base URL, for job-wide restores
         self.token: str | None = None
         self._pinned: dict[str, int] = {}  # slot path → durable writes in progress
@@ -65,7 +67,14 @@ class StateService:
         assert self.durable.directory is not None
         try:
             data = memoryview(self.slots.mapped(v.path))[: v.nbytes]
-            await asyncio.to_thread(durable.write_shard, self.durable.directory, job, role, v.step, data, v.checksum, v.header)
+            loop, gate = asyncio.get_running_loop(), self.gate
+
+            def admit(n: int) -> None:  # from the writer thread: wait at the gate, lowest priority
+                if gate is not None:
+                    asyncio.run_coroutine_threadsafe(gate.acquire(Priority.DURABLE, n), loop).result()
+
+            chunk = max(gate.config.chunk_bytes if gate else 0, 4 << 20)
+            await asyncio.to_thread(durable.write_shard, self.durable.directory, job, role, v.step, data, v.checksum, v.header, admit, chunk)
             self.durable_written += 1
         except Exception:
             log.exception("durable write failed", extra={"job": job, "role": role, "step": v.step})

@@ -26,6 +26,7 @@ import torch
 from trainer_client._copy import copy_all
 from trainer_client._daemon_client import DaemonClient
 from trainer_client.dataloader import DEFAULT_SOCKET, SOCKET_ENV
+from trainer_client.events import emit
 from trainer_client.errors import CorruptError, FFPlaneError, FFTimeoutError, NotFoundError, TransportError
 from trainer_client.pagemap import populate_read
 from trainer_client.razor import Layout, slice_of
@@ -170,6 +171,7 @@ class Checkpointer:
         }
         self._inflight = self._pool.submit(self._commit, step, slot["slot"], nbytes, header, self.last_save_block_s)
         self.saves += 1
+        emit("saved", step=step)
         return True
 
     def _copy_into(self, path: str, enc: Any, lo: int, hi: int, private: int) -> None:
@@ -266,6 +268,7 @@ class Checkpointer:
             if group is not None:
                 ok = _all_min(int(ok)) == 1
             if ok:
+                emit("restored", step=step, source=source)
                 return restored
             log.warning("step %d failed its checksum on some role; restoring an older step", step, extra={"job": self.job, "role": self.role})
             below = step

@@ -13,6 +13,7 @@ from typing import Any
 
 from trainer_client._sources import DaemonSource, HttpSource, Step
 from trainer_client.batches import Batch
+from trainer_client.events import emit
 from trainer_client.errors import CorruptError, FFPlaneError, FFTimeoutError, TransportError
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class DataLoader:
         self.transform = transform
         self.timeout_s, self.reconnect_s, self.http_window = timeout_s, reconnect_s, http_window
         self._next_step = start_step
+        self._served = False  # for the recovery timeline: the first batch handed out
         self._source: DaemonSource | HttpSource | None = None
         self._http: HttpSource | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -168,6 +170,9 @@ class DataLoader:
             step = self._next_step
             step_bytes, batch, _meta = self._get(step)
             out = step_bytes.to_torch(batch)
+            if not self._served:
+                self._served = True
+                emit("data_ready", step=step)
             self._next_step = step + 1
             yield self.transform(out) if self.transform else out
 

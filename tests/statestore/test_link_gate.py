@@ -77,3 +77,45 @@ def test_a_killed_worker_does_not_hold_the_gate(pair: LocalCluster) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_rate_cap_throttles_every_state_transfer_including_durable_copies(tmp_path: Path, data_dir: Path) -> None:
+    extra = ("--gate-rate-cap-mbit", "16", "--durable-dir", str(tmp_path / "durable"), "--durable-every", "1")
+    with LocalCluster(tmp_path, data_dir, TOKEN) as c:
+        c.start_dataserver()
+        c.start_daemon(*extra, budget_mb=64)
+        c.start_daemon(budget_mb=64)
+        until(lambda: httpx.get(c.daemons[0].url + "/v1/state").json()["coordinator"].get("successor") == "n1")
+        ck = Checkpointer("job", socket_path=c.socket(0))
+        ck.save(1, {"w": torch.ones(1 << 19)})  # 2 MiB: about a second at 2 MB/s, each way
+        ck.close()
+        until(lambda: _replicated(c) == 1 and _get(c, "/v1/state")["durable_written"] == 1)
+        gate = _get(c, "/v1/gate")
+        assert gate["config"]["rate_cap_bytes_s"] == 2e6 and gate["throttled_s"] > 0
+        assert gate["bytes_by_priority"]["replicate"] >= 2 << 20 and gate["bytes_by_priority"]["durable"] >= 2 << 20
+
+
+def test_train_traffic_the_hints_did_not_announce_closes_the_gate(tmp_path: Path, data_dir: Path) -> None:
+    from trainer_client.netns import Netns, available
+
+    if available():
+        pytest.skip(str(available()))
+    with Netns(3, rate="1gbit") as net, LocalCluster(tmp_path, data_dir, TOKEN, net=net) as c:
+        c.start_dataserver()
+        a, b = net.nodes[1], net.nodes[2]
+        c.start_daemon("--gate-iface", a.iface, "--gate-link-mbit", "1000", budget_mb=64)
+        repo = Path(__file__).parents[2]
+        sink = subprocess.Popen(b.exec_argv([sys.executable, "-m", "bench._traffic", "sink", "5401"]), cwd=repo, stdout=subprocess.PIPE, text=True)
+        train = None
+        try:
+            assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
+            assert _get(c, "/v1/gate")["open"]
+            train = subprocess.Popen(a.exec_argv([sys.executable, "-m", "bench._traffic", "train", b.addr, "5401", "40", "8", "5"]), cwd=repo, stdout=subprocess.PIPE)
+            until(lambda: _get(c, "/v1/gate")["closed_because"] == "interface", what="the interface counters to close the gate")
+            train.wait(timeout=120)
+            until(lambda: _get(c, "/v1/gate")["open"], what="the gate to reopen once the link is quiet")
+        finally:
+            for p in (train, sink):
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait()

@@ -1,0 +1,47 @@
+"""Recovery timeline events, written only when ``$FFPLANE_EVENTS_DIR`` is set (the demo and the
+recovery benchmark set it): one JSON line per event in ``<dir>/events-<pid>.jsonl``.
+
+Kinds: ``process_start`` (the process's start time, from /proc, emitted with the first event),
+``restored`` (step, source), ``data_ready`` (the first batch after start-up is in hand, step),
+``saved`` (every save, step). Wall-clock seconds, so several processes' lines can be merged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+EVENTS_ENV = "FFPLANE_EVENTS_DIR"
+_lock = threading.Lock()
+_started = False
+
+
+def _process_start() -> float:
+    """This process's start, wall clock (fork/exec time, before the interpreter and torch load)."""
+    try:
+        ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def emit(kind: str, **fields: Any) -> None:
+    directory = os.environ.get(EVENTS_ENV)
+    if not directory:
+        return
+    global _started
+    now = time.time()
+    lines = []
+    with _lock:
+        if not _started:
+            _started = True
+            lines.append({"t": _process_start(), "kind": "process_start"})
+        lines.append({"t": now, "kind": kind, **fields})
+        who = {"pid": os.getpid(), "rank": int(os.environ.get("RANK", "-1")), "node": os.environ.get("FFPLANE_NODE", "")}
+        with open(os.path.join(directory, f"events-{os.getpid()}.jsonl"), "a") as f:
+            for line in lines:
+                f.write(json.dumps({**line, **who}) + "\n")
