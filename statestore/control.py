@@ -28,6 +28,7 @@ from typing import Any
 from statestore.data_cache import DataCache, FetchError, Stream
 from statestore.heartbeat import Heartbeat
 from statestore.names import check_name, check_step
+from statestore.procs import alive
 from statestore.state_service import StateService
 from statestore.slots import SlotError
 
@@ -102,7 +103,7 @@ class ControlServer:
         (not yet a zombie), so look again for a moment before deciding it only disconnected."""
         assert self.heartbeat is not None
         for _ in range(20):
-            if not _alive(pid):
+            if not alive(pid):
                 self.heartbeat.worker_gone(info)
                 return
             await asyncio.sleep(0.05)
@@ -192,20 +193,3 @@ def _peer_pid(writer: asyncio.StreamWriter) -> int:
         return int(pid)
     except (OSError, AttributeError):
         return 0
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie (killed, not yet reaped by its launcher) is gone for our purpose
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -222,7 +222,7 @@ def create_app(daemon: Daemon) -> FastAPI:
         return {"ok": True, "checksum": r.checksum}
 
     @app.get("/v1/gate")
-    def gate() -> dict[str, Any]:
+    async def gate() -> dict[str, Any]:  # on the loop: the gate's hint maps are the loop's
         """The link gate: open or why closed, STATE bytes sent through it by priority, time paused."""
         assert daemon.gate is not None
         return daemon.gate.describe()

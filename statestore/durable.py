@@ -70,12 +70,15 @@ def verify(path: Path) -> bool:
         return checksum(f.read(length)) == meta["checksum"]
 
 
-def restorable(root: Path, job: str, roles: set[str]) -> tuple[int | None, dict[str, dict[str, Any]]]:
-    """Newest durable step holding an intact shard of every role in ``roles`` (or of its layout)."""
+def restorable(root: Path, job: str, roles: set[str], below: int | None = None) -> tuple[int | None, dict[str, dict[str, Any]]]:
+    """Newest durable step (< ``below``) holding an intact shard of every role in ``roles`` (or of
+    its layout)."""
     base = root / job
     if not base.is_dir():
         return None, {}
     for directory in sorted(base.glob("step-*"), reverse=True):
+        if below is not None and int(directory.name.removeprefix("step-")) >= below:
+            continue
         files = {p.stem: p for p in directory.glob("*.safetensors")}
         if not files:
             continue

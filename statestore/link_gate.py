@@ -31,6 +31,8 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
+from statestore.procs import alive
+
 log = logging.getLogger(__name__)
 HINTS_DIR = "hints"
 HINT_BYTES = 8  # one little-endian int64: how many collectives the process has in flight
@@ -109,13 +111,7 @@ class _Hints:
 
 
 def _pid_alive(name: str) -> bool:
-    try:
-        os.kill(int(name), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
+    return name.isdigit() and alive(int(name))
 
 
 class _Interface:

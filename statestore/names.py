@@ -12,6 +12,6 @@ def check_step(value: object) -> int:
 
 def check_name(value: object) -> str:
     name = str(value)
-    if not name or "/" in name or name.startswith(".") or len(name) > 128:
+    if not name or "/" in name or name.startswith(".") or len(name) > 128 or not name.isprintable():
         raise ValueError(f"invalid name {name!r}")
     return name

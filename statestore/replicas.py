@@ -102,6 +102,8 @@ class ReplicaStore:
     # --- receiving -----------------------------------------------------------------------
     def begin(self, job: str, role: str, step: int, nbytes: int, digest: str, header: dict[str, Any], source: str, kind: str = "replica") -> int:
         """Start (or resume) receiving a shard; returns the offset to send from."""
+        if nbytes < 0:
+            raise SlotError(f"a shard cannot have {nbytes} bytes", 422)
         if self.get(job, role, step) is not None and self.get(job, role, step).checksum == digest:  # type: ignore[union-attr]
             return nbytes  # already here, complete and verified
         self._purge()
@@ -183,6 +185,7 @@ class ReplicaStore:
             if digest != r.checksum:
                 part.unlink(missing_ok=True)
                 raise SlotError(f"{role} step {step} arrived with checksum {digest}, expected {r.checksum}; discarded, send it again", 422)
+            self._forget_map(r.path)  # a replaced version's old mapping must not serve its bytes
             os.rename(part, self.root / r.path)
             r.complete_at = time.time()
             self.index.put(_key(job, role, step), asdict(r))
@@ -192,10 +195,10 @@ class ReplicaStore:
             # saves again) must not outrank what it saves now
             stale = [s for s in versions if s > newest] if newest is not None else []
             stale += sorted(s for s in versions if s not in stale)[:-KEEP_VERSIONS]
+            if stale:  # the index first: a crash leaves no entry for a deleted file
+                self.index.delete(*(_key(job, role, s) for s in stale))
             for s in stale:
                 self._unlink(versions.pop(s))
-            if stale:
-                self.index.delete(*(_key(job, role, s) for s in stale))
             self._purge()
             log.info("shard received", extra={"job": job, "role": role, "step": step, "bytes": r.nbytes, "from": r.source, "kind": r.kind})
             return r
@@ -215,11 +218,28 @@ class ReplicaStore:
         inc = self._incoming.pop(key)
         (self.root / inc.meta.path.replace(".bin", ".part")).unlink(missing_ok=True)
 
-    def _unlink(self, r: Replica) -> None:
-        mm = self._maps.pop(r.path, None)
+    def _forget_map(self, rel: str) -> None:
+        mm = self._maps.pop(rel, None)
         if mm is not None:
-            mm.close()
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a reader still holds a view; the mapping goes when it does
+
+    def _unlink(self, r: Replica) -> None:
+        self._forget_map(r.path)
         (self.root / r.path).unlink(missing_ok=True)
+
+    def drop_pulled(self, job: str, below: int) -> None:
+        """Shards pulled for a restore are obsolete once the job has committed a newer step here."""
+        for (j, role), versions in list(self.complete.items()):
+            if j != job:
+                continue
+            stale = [s for s, r in versions.items() if r.kind == "pulled" and s < below]
+            if stale:
+                self.index.delete(*(_key(j, role, s) for s in stale))
+            for s in stale:
+                self._unlink(versions.pop(s))
 
     def verify(self, r: Replica) -> bool:
         return _file_checksum(self.root / r.path) == r.checksum

@@ -22,7 +22,7 @@ import aiohttp
 from statestore.heartbeat import Heartbeat
 from statestore.link_gate import LinkGate, Priority
 from statestore.replicas import Replica, ReplicaStore
-from statestore.slots import SlotError, SlotStore, Version
+from statestore.slots import SlotStore, Version
 
 log = logging.getLogger(__name__)
 _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux
@@ -233,7 +233,13 @@ class Replicator:
                     self._ring_changed(view)
             if succ is None or not addr or not self._pending:
                 continue
-            ok = await self._drain(succ, addr)
+            try:
+                ok = await self._drain(succ, addr)
+            except Exception as exc:  # noqa: BLE001 - one bad shard must not end replication for the node
+                log.exception("replication round failed; retrying", extra={"to": succ})
+                self.failures += 1
+                self.last_error = repr(exc)
+                ok = False
             if ok:
                 backoff = 0.2
             else:

@@ -4,7 +4,9 @@ restorable step — local, or job-wide through the coordinator, pulling what is 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ class StateService:
         self.token: str | None = None
         self._pinned: dict[str, int] = {}  # slot path → durable writes in progress
         self._tasks: set[asyncio.Task[None]] = set()
+        self._durable_pool = ThreadPoolExecutor(1, thread_name_prefix="ffplane-durable")
         self.durable_written = 0
         self.pulled_bytes = 0
         self._pulls: dict[tuple[str, str, int], asyncio.Future[LocalShard]] = {}
@@ -54,6 +57,7 @@ class StateService:
 
     async def commit(self, job: str, role: str, step: int, slot: str, nbytes: int, header: dict[str, Any], save_block_s: float) -> Version:
         version = await self.slots.commit(job, role, step, slot, nbytes, header, save_block_s)
+        self.replicas.drop_pulled(job, below=step)
         if self.replicator is not None:
             self.replicator.committed(job, role, step)
         if self.durable.due(step):
@@ -74,7 +78,9 @@ class StateService:
                     asyncio.run_coroutine_threadsafe(gate.acquire(Priority.DURABLE, n), loop).result()
 
             chunk = max(gate.config.chunk_bytes if gate else 0, 4 << 20)
-            await asyncio.to_thread(durable.write_shard, self.durable.directory, job, role, v.step, data, v.checksum, v.header, admit, chunk)
+            # its own thread: a copy waiting at the gate must not hold a thread that commits need
+            write = functools.partial(durable.write_shard, self.durable.directory, job, role, v.step, data, v.checksum, v.header, admit, chunk)
+            await loop.run_in_executor(self._durable_pool, write)
             self.durable_written += 1
         except Exception:
             log.exception("durable write failed", extra={"job": job, "role": role, "step": v.step})
@@ -108,12 +114,15 @@ class StateService:
         """
         if roles is not None and self.dataserver:
             status = await self._job_status(job)
-            if status is not None:
-                return await self._restorable_jobwide(job, status, roles, below, step)
+            if status is None:  # guessing from this node alone could split the job across steps
+                raise SlotError("the coordinator (data server) did not answer, so no job-wide restore step can be chosen; ask again", 503)
+            return await self._restorable_jobwide(job, status, roles, below, step)
+        if step is not None:
+            below = step + 1
         found_step, versions = await self.slots.restorable(job, verify, below)
-        if found_step is not None:
+        if found_step is not None and (step is None or found_step == step):
             return {"step": found_step, "source": "memory", "shards": {r: self._shard_reply(self.local(job, r, found_step)) for r in versions}}
-        return await self._durable(job, set(roles or []) | {r for (j, r) in self.slots.roles if j == job}, "no intact copy in this daemon's memory")
+        return await self._durable(job, set(roles or []) | {r for (j, r) in self.slots.roles if j == job}, "no intact copy in this daemon's memory", step)
 
     async def _restorable_jobwide(self, job: str, status: dict[str, Any], roles: list[str], below: int | None, step: int | None) -> dict[str, Any]:
         expected = set(status.get("roles", [])) | set(roles)
@@ -132,14 +141,14 @@ class StateService:
             candidates = sorted((s for s in common if below is None or s < below), reverse=True)
         if not candidates:
             if not any(have):  # nothing in memory anywhere: a fresh job, or one restarted from disk
-                return await self._durable(job, expected, "")
+                return await self._durable(job, expected, "", step)
             lost = sorted(r for r, h in zip(expected, have) if not h)
             dead = status.get("dead", [])
             reason = (
                 f"no step of job {job!r} has every role in memory on a live node (roles without any copy: {lost or 'none'}; "
                 f"dead nodes: {dead}); a node and its ring successor were probably lost together"
             )
-            return await self._durable(job, expected, reason)
+            return await self._durable(job, expected, reason, step)
         chosen = candidates[0]
 
         async def here(r: str) -> LocalShard:
@@ -178,10 +187,12 @@ class StateService:
                 errors.append(f"{base}: {exc}")
         raise SlotError(f"cannot fetch {role} step {step} of job {job!r} from any holder ({'; '.join(errors) or 'no live holder'}); retry once the coordinator has noticed the failure", 503)
 
-    async def _durable(self, job: str, roles: set[str], reason: str) -> dict[str, Any]:
+    async def _durable(self, job: str, roles: set[str], reason: str, step: int | None = None) -> dict[str, Any]:
+        """The newest durable step (exactly ``step`` when the ranks agreed on one)."""
         if self.durable.directory is not None:
-            dstep, dshards = await asyncio.to_thread(durable.restorable, self.durable.directory, job, roles)
-            if dstep is not None:
+            below = None if step is None else step + 1
+            dstep, dshards = await asyncio.to_thread(durable.restorable, self.durable.directory, job, roles, below)
+            if dstep is not None and (step is None or dstep == step):
                 message = f"{reason or 'nothing in memory'}: restoring step {dstep} from the durable tier {self.durable.directory}"
                 log.warning(message, extra={"job": job, "step": dstep})
                 return {"step": dstep, "source": "durable", "shards": dshards, "message": message}
@@ -208,6 +219,7 @@ class StateService:
     async def close(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._durable_pool.shutdown(wait=False)
 
 
 def _intact(shard: LocalShard) -> bool:

@@ -247,27 +247,46 @@ class Checkpointer:
         group = _group() if agree else None
         below: int | None = None
         while True:
-            found = self._restorable(below)
-            if group is not None:
-                agreed = _all_min(-1 if found is None else found[0])
-                if agreed < 0:
-                    found = None
-                elif found is None or found[0] != agreed:
-                    found = self._restorable(below, step=agreed)
-                    if found is None:
-                        raise NotFoundError(f"the ranks agreed on step {agreed} but this daemon cannot provide it for role {self.role}")
-            if found is None:
+            # Every rank makes the same collective calls whatever happens locally: a rank that
+            # fails says so through the reduction, and then every rank raises (no rank is left
+            # waiting in an all_reduce the others never join).
+            error: BaseException | None = None
+            found = None
+            try:
+                found = self._restorable(below)
+            except FFPlaneError as exc:
+                error = exc
+            mine = -1 if found is None else found[0]
+            ok, low, high = _reduce_min(group, [0 if error else 1, mine, -mine])
+            if not ok:
+                raise error or FFPlaneError(f"another rank could not look up its checkpoint of job {self.job!r}; see its log")
+            if -high < 0:  # no rank found anything
                 if below is not None:  # there were versions, and every one failed its checksum
-                    raise CorruptError(f"no intact checkpoint of job {self.job!r} at or below step {below} for every role; all copies failed their checksums")
+                    raise CorruptError(f"no intact checkpoint of job {self.job!r} below step {below} for every role; all copies failed their checksums")
                 return None
-            step, source, shards = found
-            # the daemon checks the checksums of the shards we use while we copy them
-            intact = self._pool.submit(self._call, op="verify", job=self.job, step=step, roles=sorted(shards)) if source == "memory" else None
-            restored = self._load(step, source, shards, into, view)
-            ok = intact is None or bool(intact.result(timeout=self.timeout_s)["intact"])
-            if group is not None:
-                ok = _all_min(int(ok)) == 1
-            if ok:
+            if low < 0:
+                raise NotFoundError(
+                    f"some ranks of job {self.job!r} found no checkpoint while others found step {-high}; refusing to start "
+                    "fresh beside restored ranks (is every node's daemon running and reachable?)"
+                )
+            step = low  # the ranks' minimum; every rank loads exactly this step
+            status, restored, source = 1, None, ""
+            try:
+                if found is None or found[0] != step:
+                    found = self._restorable(below, step=step)
+                    if found is None or found[0] != step:
+                        raise NotFoundError(f"the ranks agreed on step {step} but this daemon cannot provide it for role {self.role}")
+                _, source, shards = found
+                # the daemon checks the checksums of the shards we use while we copy them
+                intact = self._pool.submit(self._call, op="verify", job=self.job, step=step, roles=sorted(shards)) if source == "memory" else None
+                restored = self._load(step, source, shards, into, view)
+                status = int(intact is None or bool(intact.result(timeout=self.timeout_s)["intact"]))
+            except FFPlaneError as exc:
+                error, status = exc, -1
+            (agreed_status,) = _reduce_min(group, [status])
+            if agreed_status < 0:
+                raise error or FFPlaneError(f"another rank could not restore step {step} of job {self.job!r}; see its log")
+            if agreed_status == 1 and restored is not None:
                 emit("restored", step=step, source=source)
                 return restored
             log.warning("step %d failed its checksum on some role; restoring an older step", step, extra={"job": self.job, "role": self.role})
@@ -358,12 +377,17 @@ def _group() -> Any:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _all_min(value: int) -> int:
+def _reduce_min(group: Any, values: list[int]) -> list[int]:
+    """Element-wise minimum over the ranks (the values themselves without a process group)."""
+    if group is None:
+        return values
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+    t = torch.tensor(values, dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":  # NCCL reduces device tensors only
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [int(v) for v in t.tolist()]
 
 
 def _map_shard(shard: dict[str, Any]) -> torch.Tensor:

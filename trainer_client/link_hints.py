@@ -33,9 +33,11 @@ class LinkHints:
         if not directory.is_dir():
             raise FileNotFoundError(f"no hints folder at {directory}: is the node daemon running with root {root}?")
         self.path = directory / str(os.getpid())
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # never truncate: the daemon may have this file mapped (a second LinkHints in the process)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, _HINT_BYTES)
+            if os.fstat(fd).st_size < _HINT_BYTES:
+                os.ftruncate(fd, _HINT_BYTES)
             self._mm = mmap.mmap(fd, _HINT_BYTES)
         finally:
             os.close(fd)
