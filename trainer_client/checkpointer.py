@@ -103,6 +103,10 @@ class Checkpointer:
         self._inflight: Future[str] | None = None
         self.last_save_block_s = 0.0
         self.saves = self.skipped = 0
+        # Which run segment this state belongs to: 0 for a fresh job, then a hash of the restored
+        # segment and step. Saves of a segment the job rewound from (a role that committed a step
+        # the others never reached) carry another value, so a restore never mixes the two.
+        self.lineage = 0
 
     @property
     def role(self) -> str:
@@ -168,6 +172,7 @@ class Checkpointer:
             "private_nbytes": private,
             "piece": [lo, hi],
             "unique_nbytes": private + replicated,
+            "lineage": self.lineage,
         }
         self._inflight = self._pool.submit(self._commit, step, slot["slot"], nbytes, header, self.last_save_block_s)
         self.saves += 1
@@ -279,17 +284,22 @@ class Checkpointer:
                 _, source, shards = found
                 # the daemon checks the checksums of the shards we use while we copy them
                 intact = self._pool.submit(self._call, op="verify", job=self.job, step=step, roles=sorted(shards)) if source == "memory" else None
+                lineages = {int(sh["header"].get("lineage", 0)) for sh in shards.values()}
+                lineage = min(lineages)
                 restored = self._load(step, source, shards, into, view)
                 status = int(intact is None or bool(intact.result(timeout=self.timeout_s)["intact"]))
+                if len(lineages) > 1:
+                    status = 0
             except FFPlaneError as exc:
-                error, status = exc, -1
-            (agreed_status,) = _reduce_min(group, [status])
+                error, status, lineage = exc, -1, 0
+            agreed_status, low, high = _reduce_min(group, [status, lineage, -lineage])
             if agreed_status < 0:
                 raise error or FFPlaneError(f"another rank could not restore step {step} of job {self.job!r}; see its log")
-            if agreed_status == 1 and restored is not None:
+            if agreed_status == 1 and low == -high and restored is not None:
+                self.lineage = _next_lineage(low, step)
                 emit("restored", step=step, source=source)
                 return restored
-            log.warning("step %d failed its checksum on some role; restoring an older step", step, extra={"job": self.job, "role": self.role})
+            log.warning("step %d failed its checksum on some role, or mixes shards of a run the job rewound from; restoring an older step", step, extra={"job": self.job, "role": self.role})
             below = step
 
     def _load(self, step: int, source: str, shards: dict[str, Any], into: Any, view: bool) -> Restored:
@@ -375,6 +385,12 @@ def _group() -> Any:
     import torch.distributed as dist
 
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _next_lineage(lineage: int, step: int) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(f"{lineage}:{step}".encode()) & ((1 << 62) - 1)  # fits an int64 all_reduce
 
 
 def _reduce_min(group: Any, values: list[int]) -> list[int]:

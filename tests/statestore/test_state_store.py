@@ -268,3 +268,23 @@ def test_every_copy_corrupt_and_no_durable_tier_is_an_error_not_a_fresh_start(st
 
     with pytest.raises(CorruptError, match="failed their checksums"):
         Checkpointer("lost", socket_path=shm_root / "daemon.sock").restore()
+
+
+def test_a_step_saved_by_a_run_the_job_rewound_from_is_never_mixed_in(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    start_daemon()
+    sock = shm_root / "daemon.sock"
+    ranks = _pair(sock)
+    for step in (1, 2, 3):
+        for ck in ranks:
+            ck.save(step, _state(step))
+    ranks[0].save(4, _state(4))  # rank 1 dies before its step 4: the job rewinds to 3
+    for ck in ranks:
+        ck.close()
+    ranks = _pair(sock)
+    assert [ck.restore().step for ck in ranks] == [3, 3]  # type: ignore[union-attr]
+    ranks[1].save(4, _state(4, seed=9))  # the new run's step 4; rank 0 dies before its own
+    for ck in ranks:
+        ck.close()
+    # step 4 now exists for both roles, from two different runs: it must not be restored
+    got = [Checkpointer("job", Layout(dp=2, dp_rank=r), socket_path=sock).restore() for r in range(2)]
+    assert [g.step for g in got if g is not None] == [3, 3] and _equal(got[0].state, _state(3))  # type: ignore[union-attr]
