@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 saver.kill()
                 saver.wait()
             procs["a"].stop()
-            gate = ("--gate-iface", a.iface, "--gate-link-mbit", str(link * 8 / 1e6), "--gate-chunk-kb", str(args.chunk_kb))
+            # --replica-max-lag 0: this saver makes more STATE than the link can carry, so the
+            # lag bound (a push passes the gate once its replica trails by two commits) would
+            # always fire; the bench measures the gate itself
+            gate = ("--gate-iface", a.iface, "--gate-link-mbit", str(link * 8 / 1e6), "--gate-chunk-kb", str(args.chunk_kb), "--replica-max-lag", "0")
             procs["a"] = c.start_daemon(*gate, *extra, budget_mb=int(budget), index=0)
             deadline = time.monotonic() + 30
             while httpx.get(procs["a"].url + "/v1/state").json()["coordinator"].get("successor") != "n1":

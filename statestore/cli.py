@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--node-id", default="", help="this node's name in the ring (default: host name)")
     srv.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)
     srv.add_argument("--no-replicate", action="store_true", help="do not push commits to the ring successor")
+    srv.add_argument("--replica-max-lag", type=int, default=d.replica_max_lag, help="commits a replica may trail before its push passes the link gate (0 = always wait for an idle link)")
     g = d.gate
     srv.add_argument("--gate-rate-cap-mbit", type=float, default=0.0, help="cap on all STATE traffic, Mbit/s (0 = none)")
     srv.add_argument("--gate-iface", default=g.iface, help="training NIC whose byte counters close the gate (default: off)")
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         node_id=args.node_id,
         heartbeat_s=args.heartbeat_s,
         replicate=not args.no_replicate,
+        replica_max_lag=args.replica_max_lag,
         gate=GateConfig(
             rate_cap_bytes_s=args.gate_rate_cap_mbit * 1e6 / 8,
             iface=args.gate_iface,

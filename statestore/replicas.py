@@ -21,9 +21,10 @@ from typing import Any
 
 from statestore.checksum import checksum, streaming_checksum
 from statestore.index import Index
-from statestore.slots import KEEP_VERSIONS, SlotError
+from statestore.slots import SlotError
 
 log = logging.getLogger(__name__)
+KEEP_VERSIONS = 2  # a replica trails its primary by at most a commit or so; the primary keeps three
 
 
 @dataclass
@@ -195,6 +196,7 @@ class ReplicaStore:
             # saves again) must not outrank what it saves now
             stale = [s for s in versions if s > newest] if newest is not None else []
             stale += sorted(s for s in versions if s not in stale)[:-KEEP_VERSIONS]
+            stale = [s for s in stale if s != step]  # what was just asked for stays (a restore may want an older step)
             if stale:  # the index first: a crash leaves no entry for a deleted file
                 self.index.delete(*(_key(job, role, s) for s in stale))
             for s in stale:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +120,7 @@ class _Peers:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise PeerError(f"{method} {url} failed: {exc!r}") from exc
 
-    async def push(self, base: str, shard: LocalShard, source: str, newest: int) -> int:
+    async def push(self, base: str, shard: LocalShard, source: str, newest: int, urgent: Callable[[], bool] = lambda: False) -> int:
         """Send ``shard`` to the daemon at ``base`` from where it left off; returns bytes sent."""
         assert self.session is not None
         url = f"{base}/v1/replicas/{shard.job}/{shard.role}/{shard.step}"
@@ -145,7 +145,7 @@ class _Peers:
             pos = start
             while pos < shard.nbytes:
                 n = min(chunk, shard.nbytes - pos)
-                await self.gate.acquire(Priority.REPLICATE, n)
+                await self.gate.acquire(Priority.NEXT_BATCH if urgent() else Priority.REPLICATE, n)
                 yield view[pos : pos + n]
                 pos += n
 
@@ -181,14 +181,16 @@ class _Peers:
 class Replicator:
     """Pushes every newly committed shard to the ring successor; re-replicates on ring changes."""
 
-    def __init__(self, node_id: str, slots: SlotStore, replicas: ReplicaStore, heartbeat: Heartbeat, peers: _Peers) -> None:
+    def __init__(self, node_id: str, slots: SlotStore, replicas: ReplicaStore, heartbeat: Heartbeat, peers: _Peers, max_lag: int = 1) -> None:
         self.node_id = node_id
+        self.max_lag = max_lag
         self.slots = slots
         self.replicas = replicas
         self.heartbeat = heartbeat
         self.peers = peers
         self._pending: dict[tuple[str, str], set[int]] = {}  # (job, role) → steps to push
         self._held: set[tuple[str, str, int]] = set()  # replicas we forward (their primary died)
+        self._commits: dict[tuple[str, str], int] = {}  # per role, since this daemon started
         self._wake = asyncio.Event()
         self.successor: str | None = None
         self._ring: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
@@ -198,6 +200,7 @@ class Replicator:
         self.last_error = ""
 
     def committed(self, job: str, role: str, step: int) -> None:
+        self._commits[(job, role)] = self._commits.get((job, role), 0) + 1
         self._pending.setdefault((job, role), set()).add(step)
         self._wake.set()
 
@@ -259,7 +262,7 @@ class Replicator:
                 continue
             started = time.perf_counter()
             try:
-                sent = await self.peers.push(addr, shard, self.node_id, max(self._local_steps(job, role, shard.kind)))
+                sent = await self.peers.push(addr, shard, self.node_id, max(self._local_steps(job, role, shard.kind)), lambda: self._lagging(job, role))
             except PeerError as exc:
                 if exc.status == 409 and not shard.current():
                     self._discard(job, role, step)  # superseded here; a newer version is queued
@@ -276,6 +279,19 @@ class Replicator:
                 self.replicated[(job, role)] = (step, succ)
             log.info("replicated", extra={"job": job, "role": role, "step": step, "to": succ, "bytes": sent, "seconds": round(time.perf_counter() - started, 4)})
         return True
+
+    def _lagging(self, job: str, role: str) -> bool:
+        """Whether this role's replica trails by more than ``max_lag`` commits. The gate may delay
+        replication while TRAIN runs, but not that long: with both of the successor's versions
+        older than both of ours, losing this node would leave no step every role has (found by
+        the demo, whose collectives keep the link busy nearly all the time). Beyond one step of
+        lag, the push passes the gate like a batch a worker waits for."""
+        rs = self.slots.roles.get((job, role))
+        if self.max_lag <= 0 or rs is None or not rs.versions:
+            return False
+        done = self.replicated.get((job, role))
+        lag = self._commits.get((job, role), 0) if done is None else max(rs.versions) - done[0]
+        return lag > self.max_lag
 
     def _local_steps(self, job: str, role: str, kind: str) -> set[int]:
         if kind == "primary":

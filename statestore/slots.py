@@ -1,11 +1,11 @@
 """State slots: every local role's newest committed checkpoint shards, in reused shared memory.
 
-Each role gets ``SLOTS`` (3) slot files, allocated once at its first save with the whole size
+Each role gets ``SLOTS`` (4) slot files, allocated once at its first save with the whole size
 reserved (``posix_fallocate`` — a save that does not fit fails then, with a message, instead of
-a SIGBUS later) and reused for every save: two hold the newest committed versions, one takes the
-save in progress. The worker maps its slots once and copies its bytes in; the daemon then
+a SIGBUS later) and reused for every save: three hold the newest committed versions, one takes
+the save in progress. The worker maps its slots once and copies its bytes in; the daemon then
 checksums the slot and records the version in the LMDB index — only then is it *committed*.
-A worker killed mid-copy leaves an uncommitted slot and both previous versions intact.
+A worker killed mid-copy leaves an uncommitted slot and the previous versions intact.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from statestore.checksum import ALGORITHM, checksum
 from statestore.index import Index
 
 log = logging.getLogger(__name__)
-SLOTS = 3
-KEEP_VERSIONS = 2
+KEEP_VERSIONS = 3  # see docs/decisions.md, "Three versions per role"
+SLOTS = KEEP_VERSIONS + 1
 
 
 class SlotError(Exception):
@@ -160,7 +160,7 @@ class SlotStore:
             (self.root / rel).unlink(missing_ok=True)
 
     def begin(self, job: str, role: str, step: int, exclude: AbstractSet[str] = frozenset()) -> str:
-        """Pick the slot for ``step``: neither of the two newest committed versions nor in use."""
+        """Pick the slot for ``step``: none of the newest committed versions, nor one in use."""
         rs = self.roles.get((job, role))
         if rs is None or not rs.paths:
             raise SlotError(f"role {role} of job {job} has no slots; send 'alloc' first", 412)

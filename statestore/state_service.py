@@ -122,7 +122,8 @@ class StateService:
         found_step, versions = await self.slots.restorable(job, verify, below)
         if found_step is not None and (step is None or found_step == step):
             return {"step": found_step, "source": "memory", "shards": {r: self._shard_reply(self.local(job, r, found_step)) for r in versions}}
-        return await self._durable(job, set(roles or []) | {r for (j, r) in self.slots.roles if j == job}, "no intact copy in this daemon's memory", step)
+        known = {r for (j, r) in self.slots.roles if j == job}
+        return await self._durable(job, set(roles or []) | known, "no intact copy in this daemon's memory" if known else "", step)
 
     async def _restorable_jobwide(self, job: str, status: dict[str, Any], roles: list[str], below: int | None, step: int | None) -> dict[str, Any]:
         expected = set(status.get("roles", [])) | set(roles)

@@ -339,7 +339,12 @@ class Checkpointer:
         if reply.get("message"):
             log.warning("%s", reply["message"], extra={"job": self.job, "role": self.role})
         if reply["step"] is None:
-            return self._durable() if self.durable_dir is not None else None  # our own copy, if any
+            found = self._durable() if self.durable_dir is not None else None  # our own copy, if any
+            if found is None and reply.get("message") and below is None:
+                # the job has state, just no consistent step of it: starting fresh would silently
+                # throw the run away
+                raise NotFoundError(f"job {self.job!r} cannot be restored: {reply['message']}; pass durable_dir= to use a durable copy")
+            return found
         return int(reply["step"]), str(reply["source"]), dict(reply["shards"])
 
     def _ask_restorable(self, below: int | None, step: int | None) -> dict[str, Any]:

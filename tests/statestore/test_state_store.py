@@ -45,15 +45,15 @@ def test_razor_splits_replicated_state_and_restore_reassembles(start_daemon: Cal
     sock = shm_root / "daemon.sock"
     cks = _pair(sock)
     assert cks[0].restore() is None  # a fresh job
-    _save(cks, range(3))
+    _save(cks, range(4))
     roles = {r["role"]: r for r in httpx.get(daemon.url + "/v1/state").json()["roles"]}
     unique = roles["dp0-pp0-tp0"]["unique_bytes"]
     assert roles["dp0-pp0-tp0"]["razored_bytes"] + roles["dp1-pp0-tp0"]["razored_bytes"] == unique
     assert abs(roles["dp0-pp0-tp0"]["razored_bytes"] - unique / 2) <= 64
-    assert [v["step"] for v in roles["dp1-pp0-tp0"]["versions"]] == [2, 1]  # two newest kept
+    assert [v["step"] for v in roles["dp1-pp0-tp0"]["versions"]] == [3, 2, 1]  # three newest kept
     restored = Checkpointer("job", Layout(dp=2, dp_rank=1), socket_path=sock).restore()
-    assert restored is not None and restored.step == 2 and restored.source == "memory"
-    assert _equal(restored.state, _state(2))
+    assert restored is not None and restored.step == 3 and restored.source == "memory"
+    assert _equal(restored.state, _state(3))
 
 
 def test_private_state_is_saved_whole_by_its_owner(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
@@ -131,14 +131,14 @@ def test_daemon_sigkilled_and_restarted_serves_every_committed_version(start_dae
     third = start_daemon()
     live.save(23, _state(23))
     live.close()
-    assert [v["step"] for r in httpx.get(third.url + "/v1/state").json()["roles"] if r["role"] == "dp0-pp0-tp0" for v in r["versions"]] == [23, 22]
+    assert [v["step"] for r in httpx.get(third.url + "/v1/state").json()["roles"] if r["role"] == "dp0-pp0-tp0" for v in r["versions"]] == [23, 22, 21]
 
 
 def test_state_that_cannot_fit_fails_at_the_first_save(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     start_daemon()  # 256 MiB budget (see conftest)
     ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
-    with pytest.raises(CapacityError, match=r"needs 3 slots x 128.0 MiB .* raise the daemon's --budget-mb"):
-        ck.save(0, {"w": torch.zeros(32 << 20)})  # 128 MiB x 3 slots > 256 MiB
+    with pytest.raises(CapacityError, match=r"needs 4 slots x 96.0 MiB .* raise the daemon's --budget-mb"):
+        ck.save(0, {"w": torch.zeros(24 << 20)})  # 96 MiB x 4 slots > 256 MiB
     ck.close()
     assert not list((shm_root / "job" / "state").rglob("*.bin")) if (shm_root / "job" / "state").exists() else True
 

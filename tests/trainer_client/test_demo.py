@@ -1,0 +1,34 @@
+"""`ffplane demo`, as a new user runs it: two nodes, a killed worker, a lost node; each failure's
+timeline, at most one lost step, bitwise-equal weights, PNGs, and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).parents[2]
+
+
+def _ours() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("ffplane-local-*")}
+
+
+def test_the_demo_recovers_both_failures_bitwise_and_cleans_up(tmp_path: Path) -> None:
+    before, work_before = _ours(), set(Path(tempfile.gettempdir()).glob("ffplane-demo-*"))
+    out = tmp_path / "demo"
+    r = subprocess.run([sys.executable, "-m", "trainer_client.demo", "demo", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((out / "demo.json").read_text())
+    assert result["bitwise_equal"] is True
+    assert [t["failure"] for t in result["timelines"]] == ["worker SIGKILL", "node loss"]
+    for t in result["timelines"]:
+        assert 0 <= t["steps_lost"] <= 1
+        assert set(t["seconds"]) == {"detected", "restarted", "restored", "data_ready", "first_step"}
+        assert t["seconds"]["restored"] <= t["seconds"]["data_ready"] <= t["seconds"]["first_step"]
+    assert (out / "timeline.png").stat().st_size > 0 and (out / "loss.png").stat().st_size > 0
+    assert "final weights bitwise-equal to the failure-free run: True" in r.stdout
+    assert _ours() == before  # every shared-memory folder it made is gone
+    assert set(Path(tempfile.gettempdir()).glob("ffplane-demo-*")) == work_before  # its work folder too
