@@ -51,6 +51,15 @@ from trainer_client.local_cluster import LocalCluster  # noqa: E402
 MODES = ("udp", "udp_worst", "http")
 
 
+async def _until_dead(session: aiohttp.ClientSession, url: str, victim: int, t_last: float) -> float:
+    """Seconds from the silent node's last heartbeat to the data server calling it dead."""
+    while True:
+        async with session.get(f"{url}/v1/nodes/sim{victim:05d}") as r:
+            if not (await r.json())["alive"]:
+                return time.monotonic() - t_last
+        await asyncio.sleep(0.02)
+
+
 def _cpu_s(pid: int) -> float:
     """CPU time of a process's threads, in ns resolution (/proc/<pid>/stat counts 10 ms ticks)."""
     total = 0
@@ -126,13 +135,7 @@ async def _measure_http(url: str, token: str, pid: int, nodes: int, rounds: int,
             victim = (k * 997 + 17) % nodes
             sim.silent.add(victim)
             beat = asyncio.ensure_future(_keep_beating(sim, session))
-            t_last = sim.last_beat[victim]
-            while True:
-                async with session.get(f"{url}/v1/nodes/sim{victim:05d}") as r:
-                    if not (await r.json())["alive"]:
-                        detect.append(time.monotonic() - t_last)
-                        break
-                await asyncio.sleep(0.02)
+            detect.append(await _until_dead(session, url, victim, sim.last_beat[victim]))
             beat.cancel()
             sim.silent.discard(victim)
             await sim.round(session)  # it rejoins
@@ -354,13 +357,7 @@ async def _measure_udp(url: str, token: str, pid: int, nodes: int, rounds: int, 
                     await sim.round(worst)
 
             beat = asyncio.ensure_future(keep_beating())
-            t_last = sim.last_beat[victim]
-            while True:
-                async with session.get(f"{url}/v1/nodes/sim{victim:05d}") as r:
-                    if not (await r.json())["alive"]:
-                        detect.append(time.monotonic() - t_last)
-                        break
-                await asyncio.sleep(0.02)
+            detect.append(await _until_dead(session, url, victim, sim.last_beat[victim]))
             stop.set()
             await beat
             sim.silent.discard(victim)

@@ -19,7 +19,7 @@ from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from statestore.checksum import checksum, streaming_checksum
+from statestore.checksum import streaming_checksum
 from statestore.index import Index
 from statestore.slots import SlotError
 
@@ -85,10 +85,6 @@ class ReplicaStore:
     def get(self, job: str, role: str, step: int) -> Replica | None:
         return self.complete.get((job, role), {}).get(step)
 
-    def newest(self, job: str, role: str, n: int = KEEP_VERSIONS) -> list[Replica]:
-        versions = self.complete.get((job, role), {})
-        return [versions[s] for s in sorted(versions, reverse=True)[:n]]
-
     def mapped(self, rel: str) -> mmap.mmap:
         mm = self._maps.get(rel)
         if mm is None:
@@ -126,7 +122,7 @@ class ReplicaStore:
             self._incoming[key] = inc
         return inc.received
 
-    async def receive(self, job: str, role: str, step: int, offset: int, body: AsyncIterator[bytes]) -> int:
+    async def receive(self, job: str, role: str, step: int, offset: int, body: AsyncIterator[bytes | memoryview]) -> int:
         """Write a streamed body from ``offset`` on; what arrived before a cut-off counts, so
         the sender resumes from there. Returns the bytes received so far."""
         inc = self._incoming.get((job, role, step))
@@ -150,21 +146,12 @@ class ReplicaStore:
             return inc.received
 
     async def write(self, job: str, role: str, step: int, offset: int, data: bytes | memoryview) -> int:
-        inc = self._incoming.get((job, role, step))
-        if inc is None:
-            raise SlotError(f"no transfer of {role} step {step} in progress; send 'begin' first", 409)
-        async with inc.lock:
-            if offset != inc.received:
-                raise SlotError(f"chunk at offset {offset} but {inc.received} bytes received so far; resume from there", 409)
-            if offset + len(data) > inc.meta.nbytes:
-                raise SlotError(f"chunk ends at {offset + len(data)}, past the shard's {inc.meta.nbytes} bytes", 400)
-            part = self.root / inc.meta.path.replace(".bin", ".part")
-            await asyncio.to_thread(_pwrite_all, part, data, offset)
-            inc.hasher.update(data)
-            inc.received += len(data)
-            inc.touched = time.monotonic()
-            self.received_bytes += len(data)
-            return inc.received
+        """One chunk at ``offset`` (a pull's piece): ``receive`` with a body of one piece."""
+
+        async def one() -> AsyncIterator[bytes | memoryview]:
+            yield data
+
+        return await self.receive(job, role, step, offset, one())
 
     async def finish(self, job: str, role: str, step: int, newest: int | None = None) -> Replica:
         """Make a fully received shard count, once its checksum matches. ``newest``: the sender's
@@ -243,9 +230,6 @@ class ReplicaStore:
             for s in stale:
                 self._unlink(versions.pop(s))
 
-    def verify(self, r: Replica) -> bool:
-        return _file_checksum(self.root / r.path) == r.checksum
-
     def describe(self) -> list[dict[str, Any]]:
         out = []
         for (job, role), versions in sorted(self.complete.items()):
@@ -264,25 +248,8 @@ class ReplicaStore:
         self._maps.clear()
 
 
-def _pwrite_all(path: Path, data: bytes | memoryview, offset: int) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        _pwrite_fd(fd, data, offset)
-    finally:
-        os.close(fd)
-
-
 def _pwrite_fd(fd: int, data: bytes | memoryview, offset: int) -> None:
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-
-
-def _file_checksum(path: Path) -> str:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if not size:
-            return checksum(b"")
-        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
-            return checksum(memoryview(mm))

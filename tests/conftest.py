@@ -3,7 +3,9 @@ from __future__ import annotations
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
@@ -13,6 +15,9 @@ import pytest
 
 from dataserver.ingest import IngestConfig, ingest
 from tests._servers import TOKEN, Proc, start
+
+if TYPE_CHECKING:
+    from trainer_client.local_cluster import LocalCluster
 
 SEQ_LEN = 16
 
@@ -105,6 +110,27 @@ def start_daemon(tmp_path: Path, dataserver: Proc, shm_root: Path) -> Iterator[C
             p.kill()
 
 
+@contextmanager
+def cluster_in(mode: str, tmp_path: Path, data_dir: Path, nodes: int) -> Iterator["LocalCluster"]:
+    """A LocalCluster on loopback, or on ``nodes`` network namespaces (1 Gbit/s links; skipped
+    without root); the namespaces are deleted afterwards, even on failure, and checked gone."""
+    from trainer_client.local_cluster import LocalCluster
+    from trainer_client.netns import Netns, available, leftovers
+
+    net = None
+    if mode == "netns":
+        if available():
+            pytest.skip(str(available()))
+        net = Netns(nodes, rate="1gbit")
+    try:
+        with LocalCluster(tmp_path, data_dir, TOKEN, net=net) as c:
+            yield c
+    finally:
+        if net is not None:
+            net.close()
+    assert not [n for n in leftovers() if net is not None and n.startswith(net.tag)]
+
+
 def create_job(ds: Proc, **overrides: object) -> dict[str, object]:
     body = {"name": "j1", "dataset": "tokens", "dp": 2, "batch_per_rank": 8, "seed": 5, "max_steps": 60}
     body.update(overrides)
@@ -114,4 +140,4 @@ def create_job(ds: Proc, **overrides: object) -> dict[str, object]:
     return result
 
 
-__all__ = ["SEQ_LEN", "TOKEN", "create_job", "write_image_arrow", "write_lmdb", "write_token_parquet"]
+__all__ = ["SEQ_LEN", "TOKEN", "cluster_in", "create_job", "write_image_arrow", "write_lmdb", "write_token_parquet"]

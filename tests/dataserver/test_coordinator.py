@@ -6,8 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +14,9 @@ import httpx
 import pytest
 
 from dataserver import coordinator as co
-from tests._servers import TOKEN
+from tests._servers import TOKEN, until
 from trainer_client import Checkpointer, Layout
 from trainer_client.local_cluster import LocalCluster
-
-
-def _until(fn: Callable[[], Any], timeout_s: float = 20) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -46,19 +34,19 @@ def _nodes(c: LocalCluster) -> dict[str, Any]:
 
 
 def test_daemons_register_and_get_the_ring(three: LocalCluster) -> None:
-    _until(lambda: _nodes(three)["ring"] == ["n0", "n1", "n2"])
+    until(lambda: _nodes(three)["ring"] == ["n0", "n1", "n2"])
     # a daemon learns the ring from its next heartbeat's answer
-    view = _until(lambda: (v := httpx.get(three.daemons[0].url + "/v1/state").json()["coordinator"]).get("ring") == ["n0", "n1", "n2"] and v)
+    view = until(lambda: (v := httpx.get(three.daemons[0].url + "/v1/state").json()["coordinator"]).get("ring") == ["n0", "n1", "n2"] and v)
     assert view["successor"] == "n1" and view["dead"] == []
 
 
 def test_a_silent_node_is_declared_dead_and_leaves_the_ring(three: LocalCluster) -> None:
-    _until(lambda: _nodes(three)["ring"] == ["n0", "n1", "n2"])
+    until(lambda: _nodes(three)["ring"] == ["n0", "n1", "n2"])
     three.daemons[1].kill(signal.SIGKILL)
     assert three.dataserver is not None
-    status = _until(lambda: (s := httpx.get(three.dataserver.url + "/v1/jobs/any/status").json())["dead"] == ["n1"] and s)  # type: ignore[union-attr]
+    status = until(lambda: (s := httpx.get(three.dataserver.url + "/v1/jobs/any/status").json())["dead"] == ["n1"] and s)  # type: ignore[union-attr]
     assert status["ring"] == ["n0", "n2"]
-    assert _until(lambda: httpx.get(three.daemons[2].url + "/v1/state").json()["coordinator"].get("successor") == "n0")
+    assert until(lambda: httpx.get(three.daemons[2].url + "/v1/state").json()["coordinator"].get("successor") == "n0")
 
 
 def test_membership_rebuilt_after_a_dataserver_restart(tmp_path: Path, data_dir: Path) -> None:
@@ -71,11 +59,11 @@ def test_membership_rebuilt_after_a_dataserver_restart(tmp_path: Path, data_dir:
         ds = c.start_dataserver(port=port)
         c.start_daemon(budget_mb=128)
         c.start_daemon(budget_mb=128)
-        _until(lambda: _nodes(c)["ring"] == ["n0", "n1"])
+        until(lambda: _nodes(c)["ring"] == ["n0", "n1"])
         pids = [d.pid for d in c.daemons]
         ds.kill(signal.SIGKILL)
         c.start_dataserver(port=port)
-        _until(lambda: _nodes(c)["ring"] == ["n0", "n1"])
+        until(lambda: _nodes(c)["ring"] == ["n0", "n1"])
         assert [d.pid for d in c.daemons] == pids and all(d.popen.poll() is None for d in c.daemons)
 
 
@@ -86,10 +74,10 @@ def test_restorable_step_spans_nodes_and_a_worker_exit_is_reported(three: LocalC
         for step in range(rank, 4):  # n1's role has committed up to 3, n0's too; n0 also has 0
             ck.save(step, {"w": __import__("torch").ones(10) * step})
         ck.close()
-    _until(lambda: httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["restorable_step"] == 3)  # type: ignore[union-attr]
+    until(lambda: httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["restorable_step"] == 3)  # type: ignore[union-attr]
     # each role's own node holds step 3 (its ring successor may list a replica too, maybe first)
-    assert _until(lambda: "n0" in httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["shard_locations"]["dp0-pp0-tp0"]["3"])  # type: ignore[union-attr]
-    assert _until(lambda: "n1" in httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["shard_locations"]["dp1-pp0-tp0"]["3"])  # type: ignore[union-attr]
+    assert until(lambda: "n0" in httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["shard_locations"]["dp0-pp0-tp0"]["3"])  # type: ignore[union-attr]
+    assert until(lambda: "n1" in httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["shard_locations"]["dp1-pp0-tp0"]["3"])  # type: ignore[union-attr]
     # a worker process holding a connection to n2's daemon is SIGKILLed: n2 reports it at once
     code = f"import time; from trainer_client import Checkpointer; c = Checkpointer('job', socket_path={str(three.socket(2))!r}); c.save(0, {{'x': 1}}); c.wait(); print('ready', flush=True); time.sleep(60)"
     worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
@@ -97,7 +85,7 @@ def test_restorable_step_spans_nodes_and_a_worker_exit_is_reported(three: LocalC
         assert worker.stdout is not None and worker.stdout.readline().strip() == "ready"
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
-        exits = _until(lambda: httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["worker_exits"])
+        exits = until(lambda: httpx.get(three.dataserver.url + "/v1/jobs/job/status").json()["worker_exits"])
         assert exits[-1]["pid"] == worker.pid and exits[-1]["node"] == "n2" and exits[-1]["role"] == "dp0-pp0-tp0"
     finally:
         if worker.poll() is None:
@@ -111,19 +99,19 @@ def _node(c: LocalCluster, node_id: str) -> dict[str, Any]:
 
 
 def test_daemons_beat_over_udp_and_a_killed_one_is_declared_dead(three: LocalCluster) -> None:
-    _until(lambda: _nodes(three)["ring"] == ["n0", "n1", "n2"])
+    until(lambda: _nodes(three)["ring"] == ["n0", "n1", "n2"])
     # steady state: liveness comes from datagrams, not from HTTP heartbeats
-    first = _until(lambda: (n := _node(three, "n1"))["udp_beats"] >= 2 and n)
-    later = _until(lambda: (n := _node(three, "n1"))["udp_beats"] >= first["udp_beats"] + 3 and n)
+    first = until(lambda: (n := _node(three, "n1"))["udp_beats"] >= 2 and n)
+    later = until(lambda: (n := _node(three, "n1"))["udp_beats"] >= first["udp_beats"] + 3 and n)
     assert later["http_beats"] == first["http_beats"] and later["alive"]
     # the ring view reaches the daemons with the alive members' addresses
     addresses = {n: m["address"] for n, m in _nodes(three)["members"].items()}
-    _until(lambda: httpx.get(three.daemons[2].url + "/v1/state").json()["coordinator"].get("members") == addresses)
+    until(lambda: httpx.get(three.daemons[2].url + "/v1/state").json()["coordinator"].get("members") == addresses)
     three.daemons[1].kill(signal.SIGKILL)
-    _until(lambda: not _node(three, "n1")["alive"])
+    until(lambda: not _node(three, "n1")["alive"])
     assert _nodes(three)["ring"] == ["n0", "n2"]
     # the others learn it from the membership events in their beats' answers
-    view = _until(lambda: (v := httpx.get(three.daemons[2].url + "/v1/state").json()["coordinator"])["dead"] == ["n1"] and v)
+    view = until(lambda: (v := httpx.get(three.daemons[2].url + "/v1/state").json()["coordinator"])["dead"] == ["n1"] and v)
     assert view["successor"] == "n0" and view["ring"] == ["n0", "n2"] and set(view["members"]) == {"n0", "n2"}
 
 
@@ -205,5 +193,5 @@ def test_inventory_over_udp_is_decoded_for_status_and_view_events_follow(tmp_pat
         a.sock.sendto(co.encode_beat(a.key, co.KIND_BEAT, "a", a.session, 9, 5, 1, version), a.addr)
         assert a.answer()[1] == co.VIEW_FULL
         # the encoded whole view is refreshed at most every 0.1 s (consistent with the version it names)
-        full = _until(lambda: (v := httpx.get(ds.url + "/v1/nodes/view", params={"node_id": "a"}).json())["version"] == version and v)
+        full = until(lambda: (v := httpx.get(ds.url + "/v1/nodes/view", params={"node_id": "a"}).json())["version"] == version and v)
         assert full["members"] == {"a": "http://10.9.9.9:1", "b": "http://10.9.9.9:1"} and full["successor"] == "b" and full["dead"] == []

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tests._servers import TOKEN, Proc
 from tests.conftest import create_job
+from tests.trainer_client._ddp_cluster import last_step, losses
 
 STEPS = 30
 
@@ -37,16 +38,6 @@ def _launch(out: Path, job: str, dataserver: Proc, sock: Path) -> list[subproces
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.trainer_client._ddp_worker", job, str(out), str(STEPS)],
                                       env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2]))
     return procs
-
-
-def _last_step(out: Path, rank: int) -> int:
-    path = out / f"losses-{rank}.txt"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return int(lines[-1].split()[0]) if lines else -1
-
-
-def _losses(out: Path, rank: int) -> dict[int, str]:
-    return {int(s): v for s, v in (line.split() for line in (out / f"losses-{rank}.txt").read_text().splitlines())}
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]], out: Path, timeout_s: float = 180) -> None:
@@ -74,7 +65,7 @@ def test_ddp_with_sigkills_ends_bitwise_equal(tmp_path: Path, dataserver: Proc, 
             procs = _launch(killed, "killed", dataserver, sock)
             victim = rng.randrange(2)
             deadline = time.monotonic() + 120
-            while _last_step(killed, victim) < target and time.monotonic() < deadline:
+            while last_step(killed, victim) < target and time.monotonic() < deadline:
                 if any(p.poll() is not None for p in procs):
                     break
                 time.sleep(0.005)
@@ -93,5 +84,5 @@ def test_ddp_with_sigkills_ends_bitwise_equal(tmp_path: Path, dataserver: Proc, 
 
     for rank in range(2):
         assert (killed / f"final-{rank}.txt").read_text() == (straight / f"final-{rank}.txt").read_text()
-        assert _losses(killed, rank) == _losses(straight, rank)  # every step's loss, bit for bit
-        assert sorted(_losses(killed, rank)) == list(range(STEPS))
+        assert losses(killed, rank) == losses(straight, rank)  # every step's loss, bit for bit
+        assert sorted(losses(killed, rank)) == list(range(STEPS))

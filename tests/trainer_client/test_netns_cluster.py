@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests._servers import TOKEN
-from tests.conftest import create_job
+from tests.conftest import cluster_in, create_job
 from trainer_client.local_cluster import LocalCluster
 from trainer_client.netns import Netns, available, leftovers
 
@@ -20,18 +20,8 @@ NETNS_WHY = available()
 
 @pytest.fixture(params=["loopback", "netns"])
 def cluster(request: pytest.FixtureRequest, tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
-    net = None
-    if request.param == "netns":
-        if NETNS_WHY:
-            pytest.skip(NETNS_WHY)
-        net = Netns(3, rate="1gbit")
-    try:
-        with LocalCluster(tmp_path, data_dir, TOKEN, net=net) as c:
-            yield c
-    finally:
-        if net is not None:
-            net.close()
-    assert not [n for n in leftovers() if net is not None and n.startswith(net.tag)]
+    with cluster_in(request.param, tmp_path, data_dir, nodes=3) as c:
+        yield c
 
 
 def _read_on_node(c: LocalCluster, node: int, dp_rank: int, out: Path) -> subprocess.CompletedProcess[str]:

@@ -13,30 +13,18 @@ from typing import Any
 import httpx
 import pytest
 
-from tests._servers import TOKEN, until
-from tests.conftest import create_job
+from tests._servers import until
+from tests.conftest import cluster_in, create_job
 from tests.trainer_client._ddp_cluster import DdpRun, losses
 from trainer_client.local_cluster import LocalCluster
-from trainer_client.netns import Netns, available, leftovers
 
 STEPS = 24
-NETNS_WHY = available()
 
 
 @pytest.fixture(params=["loopback", "netns"])
 def cluster(request: pytest.FixtureRequest, tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
-    net = None
-    if request.param == "netns":
-        if NETNS_WHY:
-            pytest.skip(NETNS_WHY)
-        net = Netns(5, rate="1gbit")  # the data server, three nodes, one replacement
-    try:
-        with LocalCluster(tmp_path, data_dir, TOKEN, net=net) as c:
-            yield c
-    finally:
-        if net is not None:
-            net.close()
-    assert not [n for n in leftovers() if net is not None and n.startswith(net.tag)]
+    with cluster_in(request.param, tmp_path, data_dir, nodes=5) as c:  # the data server, three nodes, one replacement
+        yield c
 
 
 def _status(c: LocalCluster, job: str) -> dict[str, Any]:
