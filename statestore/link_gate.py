@@ -160,13 +160,13 @@ class LinkGate:
         self.pauses = 0
         self.last_reason = ""
 
-    def closed_because(self, priority: Priority = Priority.REPLICATE) -> str:
+    def closed_because(self, priority: Priority = Priority.REPLICATE, critical: bool = False) -> str:
         """Why the gate is closed now for ``priority`` ("" when open).
 
         The batch a local worker is blocked on passes regardless of TRAIN: that worker holds up
         its collective, so the training network would wait on the gate, which waits on the
         training network (a deadlock, seen in the node-loss test before this rule)."""
-        if not self.enabled or priority == Priority.NEXT_BATCH:
+        if not self.enabled or critical or priority == Priority.NEXT_BATCH:
             return ""
         if self.hints.busy():
             return "hint"
@@ -174,14 +174,16 @@ class LinkGate:
             return "interface"
         return ""
 
-    async def acquire(self, priority: Priority, nbytes: int) -> None:
-        """Wait until ``nbytes`` of STATE may move at ``priority``; counts them as sent."""
+    async def acquire(self, priority: Priority, nbytes: int, critical: bool = False) -> None:
+        """Wait until ``nbytes`` of STATE may move at ``priority``; counts them as sent.
+        ``critical``: training is, or is about to be, held up by this transfer, so TRAIN's signals
+        do not hold it (the batch a worker waits for always is; a replica trailing too far, too)."""
         started = time.monotonic()
         self._waiting[priority] += 1
         paused = False
         try:
             while True:
-                reason = self.closed_because(priority)
+                reason = self.closed_because(priority, critical)
                 if not reason and any(self._waiting[p] for p in Priority if p < priority):
                     reason = "priority"
                 if not reason:

@@ -145,7 +145,7 @@ class _Peers:
             pos = start
             while pos < shard.nbytes:
                 n = min(chunk, shard.nbytes - pos)
-                await self.gate.acquire(Priority.NEXT_BATCH if urgent() else Priority.REPLICATE, n)
+                await self.gate.acquire(Priority.REPLICATE, n, critical=urgent())
                 yield view[pos : pos + n]
                 pos += n
 
@@ -285,7 +285,7 @@ class Replicator:
         replication while TRAIN runs, but not that long: with both of the successor's versions
         older than both of ours, losing this node would leave no step every role has (found by
         the demo, whose collectives keep the link busy nearly all the time). Beyond one step of
-        lag, the push passes the gate like a batch a worker waits for."""
+        lag, the push is critical: it passes TRAIN's signals (still counted as replication)."""
         rs = self.slots.roles.get((job, role))
         if self.max_lag <= 0 or rs is None or not rs.versions:
             return False
