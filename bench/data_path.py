@@ -108,8 +108,10 @@ def loopback_tcp_gbps(nbytes: int) -> float:
             t = time.perf_counter()
             sent = 0
             while sent < nbytes:
-                s.sendall(payload)
-                sent += len(payload)
+                # Exactly nbytes: the receiver closes once it has them, so an overshoot is a reset.
+                chunk = payload[: min(len(payload), nbytes - sent)]
+                s.sendall(chunk)
+                sent += len(chunk)
             s.recv(1)
             return sent / (time.perf_counter() - t) / GB
     finally:
