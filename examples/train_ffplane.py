@@ -3,6 +3,7 @@
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -64,6 +65,8 @@ def main() -> None:
             break
     if rank == 0:
         torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))
+    del ddp  # DDP before its process group: freeing the group from DDP's destructor, which holds
+    gc.collect()  # the GIL, can deadlock with gloo's worker thread (pytorch/pytorch#56297)
     dist.destroy_process_group()
 
 

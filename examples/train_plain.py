@@ -3,6 +3,7 @@ over a local token file, torch.save to disk every K steps.  torchrun ... train_p
 """
 
 import argparse
+import gc
 import os
 
 import pyarrow.parquet as pq
@@ -77,6 +78,8 @@ def main() -> None:
             break
     if rank == 0:
         torch.save(model.state_dict(), os.path.join(args.out, "final.pt"))
+    del ddp  # DDP before its process group: freeing the group from DDP's destructor, which holds
+    gc.collect()  # the GIL, can deadlock with gloo's worker thread (pytorch/pytorch#56297)
     dist.destroy_process_group()
 
 

@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--node-id", default="", help="this node's name in the ring (default: host name)")
     srv.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)
     srv.add_argument("--no-replicate", action="store_true", help="do not push commits to the ring successor")
-    srv.add_argument("--replica-max-lag", type=int, default=d.replica_max_lag, help="commits a replica may trail before its push passes the link gate (0 = always wait for an idle link)")
+    srv.add_argument("--replica-max-lag", type=int, default=d.replica_max_lag, help="a commit is answered once the ring successor holds the version this many commits back, counting itself (1 = itself); that push passes the link gate (0 = off: replication always waits for an idle link)")
+    srv.add_argument("--replica-wait-s", type=float, default=d.replica_wait_s, help="longest a commit answer waits for that replica (then logged)")
     g = d.gate
     srv.add_argument("--gate-rate-cap-mbit", type=float, default=0.0, help="cap on all STATE traffic, Mbit/s (0 = none)")
     srv.add_argument("--gate-iface", default=g.iface, help="training NIC whose byte counters close the gate (default: off)")
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_s=args.heartbeat_s,
         replicate=not args.no_replicate,
         replica_max_lag=args.replica_max_lag,
+        replica_wait_s=args.replica_wait_s,
         gate=GateConfig(
             rate_cap_bytes_s=args.gate_rate_cap_mbit * 1e6 / 8,
             iface=args.gate_iface,

@@ -27,7 +27,8 @@ class DaemonConfig:
     node_id: str = ""  # this node's name in the ring; default: the host name
     heartbeat_s: float = 1.0  # coordinator heartbeat period
     replicate: bool = True  # push every commit to the ring successor
-    replica_max_lag: int = 1  # commits a replica may trail before its push passes the gate; 0 = never
+    replica_max_lag: int = 1  # a commit is answered once the successor holds the version this many commits back, counting itself; 0 = off
+    replica_wait_s: float = 30.0  # longest a commit answer waits for that replica
     gate: GateConfig = field(default_factory=GateConfig)  # when STATE may use the network
     token_file: str | None = None  # else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN
     ready_file: str | None = None

@@ -80,7 +80,7 @@ class Daemon:
         await state.peers.start()
         state.dataserver, state.token, state.gate = self.config.dataserver, self.token, self.gate
         if self.config.replicate:
-            state.replicator = Replicator(self.config.node_id, state.slots, state.replicas, self.heartbeat, state.peers, self.config.replica_max_lag)
+            state.replicator = Replicator(self.config.node_id, state.slots, state.replicas, self.heartbeat, state.peers, self.config.replica_max_lag, self.config.replica_wait_s)
             self._tasks.append(asyncio.create_task(state.replicator.run(), name="replicator"))
         self.control = ControlServer(self.cache, state, self.config.socket_path, self.heartbeat)
         await self.control.start()

@@ -100,6 +100,8 @@ class _LinkCollector:
         yield CounterMetricFamily("ffplane_replication_sent_bytes", "Bytes pushed to the ring successor", value=r.bytes_sent)
         yield CounterMetricFamily("ffplane_replication_pushes", "Shards pushed to the ring successor", value=r.pushes)
         yield CounterMetricFamily("ffplane_replication_failures", "Pushes that failed (and were resumed)", value=r.failures)
+        yield CounterMetricFamily("ffplane_replication_commit_wait_seconds", "Time commits waited for the previous version's replica", value=r.commit_wait_s)
+        yield CounterMetricFamily("ffplane_replication_commit_wait_timeouts", "Commits made while the replica was still behind", value=r.commit_wait_timeouts)
         yield GaugeMetricFamily("ffplane_replication_pending", "Committed versions waiting to be pushed", value=r.pending())
         lag = GaugeMetricFamily("ffplane_replication_lag_steps", "Newest committed step minus newest replicated step", labels=["job", "role"])
         for key, d in r.describe()["roles"].items():

@@ -22,7 +22,7 @@ import aiohttp
 from statestore.heartbeat import Heartbeat
 from statestore.link_gate import LinkGate, Priority
 from statestore.replicas import Replica, ReplicaStore
-from statestore.slots import SlotStore, Version
+from statestore.slots import SlotError, SlotStore, Version
 
 log = logging.getLogger(__name__)
 _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux
@@ -162,7 +162,8 @@ class _Peers:
         url = f"{base}/v1/state/{job}/{role}/{step}"
         meta = await self._json("GET", url)
         nbytes = int(meta["nbytes"])
-        offset = replicas.begin(job, role, step, nbytes, str(meta["checksum"]), dict(meta["header"]), source, kind="pulled")
+        digest, header = str(meta["checksum"]), dict(meta["header"])
+        offset = replicas.begin(job, role, step, nbytes, digest, header, source, kind="pulled")
         chunk = self.gate.config.chunk_bytes
         while offset < nbytes:
             n = min(chunk, nbytes - offset)
@@ -174,16 +175,25 @@ class _Peers:
                     data = await resp.read()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 raise PeerError(f"GET {url}/shard failed: {exc!r}") from exc
-            offset = await replicas.write(job, role, step, offset, data)
+            try:
+                offset = await replicas.write(job, role, step, offset, data)
+            except SlotError as exc:
+                if exc.status != 409:
+                    raise
+                # The holder is also pushing this shard here (it is our ring predecessor and
+                # re-replicates after the failure): both write one transfer, in order, so carry
+                # on from wherever it has got to (all of it, once the push has finished).
+                offset = replicas.begin(job, role, step, nbytes, digest, header, source, kind="pulled")
         return await replicas.finish(job, role, step)
 
 
 class Replicator:
     """Pushes every newly committed shard to the ring successor; re-replicates on ring changes."""
 
-    def __init__(self, node_id: str, slots: SlotStore, replicas: ReplicaStore, heartbeat: Heartbeat, peers: _Peers, max_lag: int = 1) -> None:
+    def __init__(self, node_id: str, slots: SlotStore, replicas: ReplicaStore, heartbeat: Heartbeat, peers: _Peers, max_lag: int = 1, wait_s: float = 30.0) -> None:
         self.node_id = node_id
         self.max_lag = max_lag
+        self.wait_s = wait_s
         self.slots = slots
         self.replicas = replicas
         self.heartbeat = heartbeat
@@ -195,14 +205,62 @@ class Replicator:
         self.successor: str | None = None
         self._ring: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self.replicated: dict[tuple[str, str], tuple[int, str]] = {}  # newest step pushed, and where
+        self._progress = asyncio.Event()  # set (and replaced) whenever ``replicated`` moves
+        self._awaited: dict[tuple[str, str], int] = {}  # a commit waits for this step's replica
         self.bytes_sent = 0
         self.pushes = self.failures = 0
+        self.commit_waits = self.commit_wait_timeouts = 0
+        self.commit_wait_s = 0.0
         self.last_error = ""
 
     def committed(self, job: str, role: str, step: int) -> None:
         self._commits[(job, role)] = self._commits.get((job, role), 0) + 1
         self._pending.setdefault((job, role), set()).add(step)
         self._wake.set()
+
+    async def until_replicated(self, job: str, role: str, step: int) -> None:
+        """Called once ``step`` is committed, before the worker hears so: wait until the
+        successor holds the version ``max_lag - 1`` commits back (``step`` itself by default).
+        The worker's next all-reduce waits for that answer (``LinkHints.ddp_comm_hook``), so a
+        node that dies having finished step T's all-reduce leaves a replica of T-1, which the
+        survivors' three versions include: at most one lost step (docs/decisions.md, "Replica
+        lag is bounded"). The push had the next step's forward pass to run in, so this rarely
+        waits; the awaited push passes TRAIN's signals. At most ``wait_s`` (a successor that
+        stops answering is declared dead and replaced well within it), then it logs that the
+        bound does not hold."""
+        rs = self.slots.roles.get((job, role))
+        if self.max_lag <= 0 or rs is None:
+            return
+        versions = sorted((s for s in rs.versions if s <= step), reverse=True)
+        if len(versions) < self.max_lag:
+            return
+        need = versions[self.max_lag - 1]
+        started = time.monotonic()
+        self._awaited[(job, role)] = need
+        self._wake.set()
+        try:
+            while not self._holds(job, role, need):
+                if self.successor is None and self.heartbeat.view.get("successor") is None:
+                    return  # no peer to replicate to: nothing to wait for
+                left = self.wait_s - (time.monotonic() - started)
+                if left <= 0:
+                    self.commit_wait_timeouts += 1
+                    log.warning("replica still behind; answering the commit anyway", extra={"job": job, "role": role, "step": step, "replica_needed": need, "to": self.successor})
+                    return
+                try:
+                    await asyncio.wait_for(self._progress.wait(), timeout=min(left, 0.5))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._awaited.pop((job, role), None)
+            waited = time.monotonic() - started
+            if waited > 0.001:
+                self.commit_waits += 1
+                self.commit_wait_s += waited
+
+    def _holds(self, job: str, role: str, step: int) -> bool:
+        done = self.replicated.get((job, role))
+        return done is not None and done[0] >= step and done[1] == self.successor
 
     def _ring_changed(self, view: dict[str, Any]) -> None:
         """Everything whose copy may have gone: our newest versions, and the replicas we hold
@@ -275,8 +333,10 @@ class Replicator:
             self.bytes_sent += sent
             self.pushes += 1
             newest = self.replicated.get((job, role))
-            if newest is None or newest[0] <= step:
+            if newest is None or newest[0] <= step or newest[1] != succ:
                 self.replicated[(job, role)] = (step, succ)
+                self._progress.set()
+                self._progress = asyncio.Event()
             log.info("replicated", extra={"job": job, "role": role, "step": step, "to": succ, "bytes": sent, "seconds": round(time.perf_counter() - started, 4)})
         return True
 
@@ -289,6 +349,8 @@ class Replicator:
         rs = self.slots.roles.get((job, role))
         if self.max_lag <= 0 or rs is None or not rs.versions:
             return False
+        if (job, role) in self._awaited:
+            return True  # a commit is waiting for this role's replica
         done = self.replicated.get((job, role))
         lag = self._commits.get((job, role), 0) if done is None else max(rs.versions) - done[0]
         return lag > self.max_lag
@@ -322,6 +384,9 @@ class Replicator:
             "bytes_sent": self.bytes_sent,
             "pushes": self.pushes,
             "failures": self.failures,
+            "commit_waits": self.commit_waits,
+            "commit_wait_seconds": round(self.commit_wait_s, 3),
+            "commit_wait_timeouts": self.commit_wait_timeouts,
             "last_error": self.last_error or None,
             "roles": lag,
         }

@@ -65,6 +65,8 @@ class StateService:
             task = asyncio.create_task(self._write_durable(job, role, version), name=f"durable {job}/{role}/{step}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        if self.replicator is not None:
+            await self.replicator.until_replicated(job, role, step)
         return version
 
     async def _write_durable(self, job: str, role: str, v: Version) -> None:

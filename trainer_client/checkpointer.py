@@ -16,7 +16,9 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +29,7 @@ from trainer_client._copy import copy_all
 from trainer_client._daemon_client import DaemonClient
 from trainer_client.dataloader import DEFAULT_SOCKET, SOCKET_ENV
 from trainer_client.events import emit
+from trainer_client.torchrun import check_restartable
 from trainer_client.errors import CorruptError, FFPlaneError, FFTimeoutError, NotFoundError, TransportError
 from trainer_client.pagemap import populate_read
 from trainer_client.razor import Layout, slice_of
@@ -34,6 +37,16 @@ from trainer_client.state_codec import decode, encode
 
 log = logging.getLogger(__name__)
 _MADV_POPULATE_WRITE = 23
+_open: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # for settle_all (the DDP comm hook)
+
+
+def settle_all() -> None:
+    """Wait until every open Checkpointer's last save is committed and replicated. The DDP comm
+    hook calls it before a step's first all-reduce: a node cannot finish step T's all-reduce
+    (letting the other ranks commit T) until its own step T-1 has a replica on the next node,
+    so losing it costs at most one step."""
+    for ckpt in list(_open):
+        ckpt.settle()
 
 
 @dataclass
@@ -86,6 +99,7 @@ class Checkpointer:
         ``copy_threads``: threads for the blocking copy (default: cores, at most 4)."""
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        check_restartable()
         self.job = job
         self.layout = layout or Layout()
         self.private_keys = frozenset(private_keys)
@@ -107,6 +121,7 @@ class Checkpointer:
         # segment and step. Saves of a segment the job rewound from (a role that committed a step
         # the others never reached) carry another value, so a restore never mixes the two.
         self.lineage = 0
+        _open.add(self)
 
     @property
     def role(self) -> str:
@@ -230,6 +245,13 @@ class Checkpointer:
         if self._inflight is not None:
             inflight, self._inflight = self._inflight, None
             inflight.result(timeout=self.timeout_s)
+
+    def settle(self) -> None:
+        """Wait until the last save is committed and replicated (never raises: ``save`` and
+        ``wait`` report a failed commit)."""
+        inflight = self._inflight
+        if inflight is not None and not inflight.done():
+            futures_wait([inflight], timeout=self.timeout_s)
 
     # --- restore -------------------------------------------------------------------------
     def restore(self, into: Any = None, view: bool = False, agree: bool = True) -> Restored | None:
@@ -370,6 +392,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the last commit, stop the commit thread, unmap slots; safe to call twice."""
+        _open.discard(self)
         try:
             self.wait()
         finally:

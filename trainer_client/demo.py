@@ -3,10 +3,11 @@
 the timeline (failure → detected → restarted → restored → data ready → first step), the steps
 lost, and a bitwise check of the final weights against a failure-free run.
 
-Workers are started the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT; every rank
-restarted when one fails), by this module: torchrun's own restarts are not reliable on one
-machine yet (docs/decisions.md). Writes ``timeline.png``, ``loss.png`` and ``demo.json`` to
-``--out``; removes every process and shared-memory folder it made.
+Each node is one ``torchrun`` (c10d rendezvous, ``--max-restarts``), as users launch jobs: torchrun
+restarts the workers of a node whose worker died and, through the rendezvous, every other node's;
+a lost node's agent dies with it and a replacement agent joins the next round. Writes
+``timeline.png``, ``loss.png`` and ``demo.json`` to ``--out``; removes every process and
+shared-memory folder it made.
 """
 
 from __future__ import annotations
@@ -14,187 +15,50 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer_client.local_cluster import LocalCluster
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ffplane.py"
-STAGES = ("detected", "restarted", "restored", "data_ready", "first_step")
+from trainer_client.job_runner import STAGES, LocalJobs
 
 
-@dataclass
-class _Run:
-    """One launch of every rank; ``placement[rank]`` is the node (daemon index) it runs on."""
-
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    placement: list[int] = field(default_factory=list)
-
-    def kill(self, ranks: list[int] | None = None) -> None:
-        for rank, p in enumerate(self.procs):
-            if (ranks is None or rank in ranks) and p.poll() is None:
-                p.kill()
-        for rank, p in enumerate(self.procs):
-            if ranks is None or rank in ranks:
-                p.wait()
-
-
-class Demo:
+class Demo(LocalJobs):
     def __init__(self, work: Path, out: Path, steps: int) -> None:
-        self.work, self.out, self.steps = work, out, steps
-        self.token = secrets.token_hex(16)
-        self.events = work / "events"
-        self.events.mkdir(parents=True)
-        self.cluster = LocalCluster(work, work / "datasets", self.token)
-        self.runs: list[_Run] = []
-
-    # --- set-up --------------------------------------------------------------------------
-    def prepare(self) -> None:
-        import numpy as np
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from dataserver.ingest import IngestConfig, ingest
-
-        rng = np.random.default_rng(0)
-        rows = rng.integers(0, 512, size=(4096, 33), dtype=np.int64)
-        pq.write_table(pa.table({"tokens": pa.array(list(rows))}), self.work / "tokens.parquet")
-        (self.work / "datasets").mkdir()
-        ingest(IngestConfig([self.work / "tokens.parquet"], self.work / "datasets" / "tokens", progress=False))
-        self.cluster.start_dataserver()
-        for _ in range(2):
-            self.cluster.start_daemon(budget_mb=512)
-        for job in ("reference", "demo"):
-            self._post("/v1/jobs", {"name": job, "dataset": "tokens", "dp": 4, "batch_per_rank": 8, "seed": 0, "max_steps": self.steps})
-
-    def _post(self, path: str, body: dict[str, Any]) -> None:
-        import urllib.request
-
-        assert self.cluster.dataserver is not None
-        req = urllib.request.Request(self.cluster.dataserver.url + path, json.dumps(body).encode(), method="POST")
-        req.add_header("Authorization", f"Bearer {self.token}")
-        req.add_header("Content-Type", "application/json")
-        urllib.request.urlopen(req, timeout=10).read()
-
-    def _status(self) -> dict[str, Any]:
-        import urllib.request
-
-        assert self.cluster.dataserver is not None
-        result: dict[str, Any] = json.loads(urllib.request.urlopen(self.cluster.dataserver.url + "/v1/jobs/demo/status", timeout=10).read())
-        return result
-
-    # --- workers -------------------------------------------------------------------------
-    def launch(self, job: str, placement: list[int], log_name: str) -> _Run:
-        assert self.cluster.dataserver is not None
-        run = _Run(placement=placement)
-        (self.work / job).mkdir(exist_ok=True)
-        port = random.randrange(20000, 60000)
-        for rank, node in enumerate(placement):
-            env = {
-                **os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(placement)), "LOCAL_RANK": str(rank % 2),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "FFPLANE_NODE": f"n{node}",
-                "FFPLANE_DATASERVER": self.cluster.dataserver.url, "FFPLANE_TOKEN": self.token,
-                "FFPLANE_DAEMON_SOCKET": str(self.cluster.socket(node)), "FFPLANE_EVENTS_DIR": str(self.events),
-            }
-            argv = [sys.executable, str(EXAMPLE), "--job", job, "--out", str(self.work / job), "--steps", str(self.steps)]
-            with open(self.work / f"{log_name}-rank{rank}.log", "ab") as log:
-                run.procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
-        self.runs.append(run)
-        return run
-
-    def saved_steps(self, since: float) -> dict[int, int]:
-        """rank → newest step it saved after ``since``."""
-        newest: dict[int, int] = {}
-        for e in self._events():
-            if e["kind"] == "saved" and e["t"] >= since:
-                newest[e["rank"]] = max(newest.get(e["rank"], -1), e["step"])
-        return newest
-
-    def _events(self) -> list[dict[str, Any]]:
-        out = []
-        for f in self.events.glob("events-*.jsonl"):
-            for line in f.read_text().splitlines():
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue  # a line being written
-        return sorted(out, key=lambda e: e["t"])
-
-    def wait_step(self, run: _Run, step: int, since: float, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while min(self.saved_steps(since).values(), default=-1) < step or len(self.saved_steps(since)) < len(run.procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in run.procs):
-                raise RuntimeError(f"the job did not reach step {step}; logs in {self.work}")
-            time.sleep(0.05)
-
-    def wait_done(self, run: _Run, timeout_s: float = 180) -> None:
-        for p in run.procs:
-            if p.wait(timeout=timeout_s) != 0:
-                raise RuntimeError(f"a worker failed; logs in {self.work}")
-
-    # --- failures ------------------------------------------------------------------------
-    def timeline(self, kind: str, failed_at: float, detected_at: float, saved_before: int) -> dict[str, Any]:
-        """Seconds from the failure to each stage (the slowest rank), and the steps lost."""
-        ev = [e for e in self._events() if e["t"] >= failed_at]
-        starts = [e["t"] for e in ev if e["kind"] == "process_start"]
-        restored = [e for e in ev if e["kind"] == "restored"]
-        ready = [e["t"] for e in ev if e["kind"] == "data_ready"]
-        if not restored:
-            raise RuntimeError("no rank restored after the failure")
-        step = restored[0]["step"]
-        first: dict[int, float] = {}
-        for e in ev:
-            if e["kind"] == "saved" and e["step"] == step + 1:
-                first.setdefault(e["rank"], e["t"])
-        stamps = {
-            "detected": detected_at, "restarted": max(starts), "restored": max(e["t"] for e in restored),
-            "data_ready": max(ready), "first_step": max(first.values()),
-        }
-        return {
-            "failure": kind, "restored_step": step, "steps_lost": saved_before - step,
-            "seconds": {k: round(v - failed_at, 3) for k, v in stamps.items()},
-        }
+        super().__init__(work, steps)
+        self.out = out
 
     def run(self) -> dict[str, Any]:
         t0 = time.time()
-        print("[1/4] failure-free reference run (2 nodes x 2 workers)", flush=True)
-        self.wait_done(self.launch("reference", [0, 0, 1, 1], "reference"))
+        print("[1/4] failure-free reference run (2 nodes x 2 workers, one torchrun per node)", flush=True)
+        self.wait_done(self.launch_job("reference", [0, 1]))
 
         print("[2/4] the same job; a worker will be SIGKILLed", flush=True)
         since = time.time()
-        run = self.launch("demo", [0, 0, 1, 1], "demo")
-        self.wait_step(run, self.steps // 4, since)
+        nodes = self.launch_job("demo", [0, 1])
+        self.wait_step(nodes, self.steps // 4, since)
         saved_before = max(self.saved_steps(since).values())
-        victim = run.procs[1].pid
+        victim = self.worker_pid("n0", since)
         failed_at = time.time()
-        run.kill([1])
-        detected_at = self._until(lambda: any(w.get("pid") == victim for w in self._status().get("worker_exits", [])))
-        run.kill()  # the launcher restarts every rank when one fails, as torchrun does
-        run = self.launch("demo", [0, 0, 1, 1], "demo")
-        self.wait_step(run, self.steps // 4 + 2, failed_at)
+        os.kill(victim, signal.SIGKILL)  # torchrun restarts n0's workers, and n1's through the rendezvous
+        detected_at = self.until(lambda: any(w.get("pid") == victim for w in self.status("demo").get("worker_exits", [])))
+        self.wait_step(nodes, saved_before + 2, failed_at)
         worker = self.timeline("worker SIGKILL", failed_at, detected_at, saved_before)
 
-        print("[3/4] node n1 lost (its daemon, workers and shared memory); a replacement joins", flush=True)
-        self.wait_step(run, self.steps // 2, failed_at)
+        print("[3/4] node n1 lost (its torchrun, workers, daemon and shared memory); a replacement joins", flush=True)
+        self.wait_step(nodes, self.steps // 2, failed_at)
         saved_before = max(self.saved_steps(failed_at).values())
         failed_at = time.time()
-        run.kill([2, 3])
+        nodes[1].kill()
         self.cluster.lose_node(1)
-        detected_at = self._until(lambda: "n1" in self._status().get("dead", []))
-        run.kill()
+        detected_at = self.until(lambda: "n1" in self.status("demo").get("dead", []))
         self.cluster.start_daemon(index=2, budget_mb=512)
-        self._until(lambda: "n2" in self._status().get("ring", []))
-        run = self.launch("demo", [2, 2, 0, 0], "demo")  # ranks 0-1 move to the new node, 2-3 to n0
-        self.wait_done(run)
+        self.until(lambda: "n2" in self.status("demo").get("ring", []))
+        nodes[1] = self.launch("demo", 2, nodes[0].endpoint, "demo")  # ranks are re-assigned by the rendezvous
+        self.wait_done(nodes)
         node = self.timeline("node loss", failed_at, detected_at, saved_before)
 
         print("[4/4] checking the final weights against the reference", flush=True)
@@ -206,21 +70,13 @@ class Demo:
         self._report(result)
         return result
 
-    def _until(self, fn: Any, timeout_s: float = 60) -> float:
-        deadline = time.monotonic() + timeout_s
-        while not fn():
-            if time.monotonic() > deadline:
-                raise RuntimeError("the coordinator did not notice the failure")
-            time.sleep(0.02)
-        return time.time()
-
     # --- report --------------------------------------------------------------------------
     def _losses(self) -> dict[int, float]:
         losses: dict[int, float] = {}
-        for f in sorted(self.work.glob("demo-rank0.log")):
-            for line in f.read_text().splitlines():
-                if line.startswith("step "):
-                    _, step, _, loss = line.split()
+        for f in sorted(self.work.glob("demo-n*.log")):
+            for line in f.read_text(errors="replace").splitlines():
+                if line.startswith("step ") or ": step " in line:  # torchrun may prefix worker lines
+                    _, step, _, loss = line.rsplit(" ", 4)[-4:]
                     losses[int(step)] = float(loss)
         return losses
 
@@ -269,10 +125,9 @@ class Demo:
         fig.savefig(self.out / "loss.png", dpi=110)
         plt.close(fig)
 
-    def close(self) -> None:
-        for run in self.runs:
-            run.kill()
-        self.cluster.close()
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ffplane-demo-"))
     d = Demo(work, args.out, args.steps)
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    old_term = signal.signal(signal.SIGTERM, _interrupted)  # a killed demo still ends its processes
     try:
-        d.prepare()
+        d.prepare(["reference", "demo"])
         result = d.run()
     finally:
         d.close()
         signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGTERM, old_term)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
         else:

@@ -3,7 +3,7 @@ recovery benchmark set it): one JSON line per event in ``<dir>/events-<pid>.json
 
 Kinds: ``process_start`` (the process's start time, from /proc, emitted with the first event),
 ``restored`` (step, source), ``data_ready`` (the first batch after start-up is in hand, step),
-``saved`` (every save, step). Wall-clock seconds, so several processes' lines can be merged.
+``saved`` (every save, step), ``batch`` (every batch served: step and an XXH3 of its bytes). Wall-clock seconds, so several processes' lines can be merged.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ def _process_start() -> float:
         return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return time.time()
+
+
+def events_on() -> bool:
+    return bool(os.environ.get(EVENTS_ENV))
 
 
 def emit(kind: str, **fields: Any) -> None:

@@ -63,7 +63,8 @@ class LinkHints:
             self._add(-1)
 
     def ddp_comm_hook(self, reproducible: bool = True) -> Callable[[Any, Any], Any]:
-        """DDP's averaging all-reduce, marked busy until it completes.
+        """DDP's averaging all-reduce, marked busy until it completes, run once the last
+        ``Checkpointer.save`` is committed and replicated (see ``checkpointer.settle_all``).
 
         ``reproducible``: all-reduce every gradient tensor on its own. A ring all-reduce's float
         summation order depends on where an element sits in the buffer, and DDP lays out its
@@ -89,7 +90,10 @@ class LinkHints:
 
         reduce = per_tensor if reproducible else allreduce_hook
 
+        from trainer_client.checkpointer import settle_all
+
         def hook(process_group: Any, bucket: Any) -> Any:
+            settle_all()  # the last save's replica exists before this step's all-reduce runs
             self._add(1)
             try:
                 fut = reduce(process_group, bucket)

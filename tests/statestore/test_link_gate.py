@@ -1,5 +1,6 @@
 """The idle-link gate with real daemons: a training process's hint holds replication back until the
-collective ends; a killed process's stuck hint does not hold it forever; the ops API shows it."""
+collective ends — except the push a commit's answer waits for; a killed process's stuck hint does
+not hold it forever; the ops API shows it."""
 
 from __future__ import annotations
 
@@ -20,14 +21,25 @@ from trainer_client import Checkpointer, LinkHints
 from trainer_client.local_cluster import LocalCluster
 
 
-@pytest.fixture
-def pair(tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
+def _pair(tmp_path: Path, data_dir: Path, *extra: str) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path, data_dir, TOKEN) as c:
         c.start_dataserver()
-        c.start_daemon(budget_mb=64)
-        c.start_daemon(budget_mb=64)
+        c.start_daemon(*extra, budget_mb=64)
+        c.start_daemon(*extra, budget_mb=64)
         until(lambda: httpx.get(c.daemons[0].url + "/v1/state").json()["coordinator"].get("successor") == "n1")
         yield c
+
+
+@pytest.fixture
+def pair(tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
+    """Two daemons whose commits do not wait for replication: the gate alone decides."""
+    yield from _pair(tmp_path, data_dir, "--replica-max-lag", "0")
+
+
+@pytest.fixture
+def bounded_pair(tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
+    """Two daemons as deployed: a commit is answered once its replica is on the successor."""
+    yield from _pair(tmp_path, data_dir)
 
 
 def _get(c: LocalCluster, path: str) -> dict[str, Any]:
@@ -54,6 +66,26 @@ def test_a_hint_holds_replication_until_the_collective_ends(pair: LocalCluster) 
         gate = _get(pair, "/v1/gate")
         assert gate["open"] and gate["bytes_by_priority"]["replicate"] >= 1 << 20 and gate["paused_s"] > 0
         assert "ffplane_gate_paused_seconds" in httpx.get(pair.daemons[0].url + "/metrics").text
+    finally:
+        hints.close()
+        ck.close()
+
+
+def test_a_commit_is_answered_once_its_replica_exists_even_while_a_collective_runs(bounded_pair: LocalCluster) -> None:
+    ck = Checkpointer("job", socket_path=bounded_pair.socket(0))
+    hints = LinkHints(bounded_pair.socket(0))
+    try:
+        with hints.collective():
+            assert _get(bounded_pair, "/v1/gate")["closed_because"] == "hint"
+            for step in (1, 2):
+                ck.save(step, {"w": torch.full((1 << 18,), float(step))})
+                ck.wait()
+                # the answer waited for the push, which passed the hint (else the node's other
+                # workers would wait for this one in the collective while it waits for them)
+                assert _replicated(bounded_pair) == step
+        waits = _get(bounded_pair, "/v1/state")["replication"]
+        assert waits["commit_waits"] >= 2 and waits["commit_wait_timeouts"] == 0
+        assert "ffplane_replication_commit_wait_seconds" in httpx.get(bounded_pair.daemons[0].url + "/metrics").text
     finally:
         hints.close()
         ck.close()

@@ -1,0 +1,170 @@
+"""Jobs of the example GPT script on a local cluster, one ``torchrun`` per node, as users launch
+them — with the failures ffplane must survive and the recovery timeline read back from the
+workers' events (``$FFPLANE_EVENTS_DIR``). Used by ``ffplane demo``, the chaos soak and
+``bench/recovery.py``; every process and shared-memory folder is ended by ``close()``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from trainer_client.local_cluster import LocalCluster
+from trainer_client.torchrun import TorchrunNode
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ffplane.py"
+STAGES = ("detected", "restarted", "restored", "data_ready", "first_step")
+
+
+class LocalJobs:
+    """A data server, node daemons and torchrun-launched jobs of ``script`` on this machine."""
+
+    def __init__(self, work: Path, steps: int, nproc: int = 2, script: Path = EXAMPLE) -> None:
+        self.work, self.steps, self.nproc, self.script = work, steps, nproc, script
+        self.token = secrets.token_hex(16)
+        self.events_dir = work / "events"
+        self.events_dir.mkdir(parents=True)
+        self.cluster = LocalCluster(work, work / "datasets", self.token)
+        self.nodes: list[TorchrunNode] = []
+        self.max_restarts = 3  # per torchrun agent
+        self.script_args: list[str] = []  # besides --job/--out/--steps
+
+    # --- set-up --------------------------------------------------------------------------
+    def prepare(self, jobs: list[str], daemons: int = 2, dp: int = 4, rows: int = 4096, budget_mb: int = 512) -> None:
+        """A generated token dataset, the data server, ``daemons`` node daemons and ``jobs``."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from dataserver.ingest import IngestConfig, ingest
+
+        rng = np.random.default_rng(0)
+        table = rng.integers(0, 512, size=(rows, 33), dtype=np.int64)
+        pq.write_table(pa.table({"tokens": pa.array(list(table))}), self.work / "tokens.parquet")
+        (self.work / "datasets").mkdir()
+        ingest(IngestConfig([self.work / "tokens.parquet"], self.work / "datasets" / "tokens", progress=False))
+        self.cluster.start_dataserver()
+        for _ in range(daemons):
+            self.cluster.start_daemon(budget_mb=budget_mb)
+        for job in jobs:
+            self.post("/v1/jobs", {"name": job, "dataset": "tokens", "dp": dp, "batch_per_rank": 8, "seed": 0, "max_steps": self.steps})
+
+    def post(self, path: str, body: dict[str, Any]) -> None:
+        assert self.cluster.dataserver is not None
+        req = urllib.request.Request(self.cluster.dataserver.url + path, json.dumps(body).encode(), method="POST")
+        req.add_header("Authorization", f"Bearer {self.token}")
+        req.add_header("Content-Type", "application/json")
+        urllib.request.urlopen(req, timeout=10).read()
+
+    def status(self, job: str) -> dict[str, Any]:
+        assert self.cluster.dataserver is not None
+        result: dict[str, Any] = json.loads(urllib.request.urlopen(f"{self.cluster.dataserver.url}/v1/jobs/{job}/status", timeout=10).read())
+        return result
+
+    # --- workers ---------------------------------------------------------------------------
+    def launch(self, job: str, daemon: int, endpoint: str, log_name: str, nnodes: int = 2) -> TorchrunNode:
+        """torchrun for one node of ``job``, its workers using daemon ``daemon``."""
+        assert self.cluster.dataserver is not None
+        (self.work / job).mkdir(exist_ok=True)
+        (self.events_dir / job).mkdir(exist_ok=True)
+        env = {
+            "FFPLANE_NODE": f"n{daemon}", "FFPLANE_DATASERVER": self.cluster.dataserver.url, "FFPLANE_TOKEN": self.token,
+            "FFPLANE_DAEMON_SOCKET": str(self.cluster.socket(daemon)), "FFPLANE_EVENTS_DIR": str(self.events_dir / job),
+        }
+        node = TorchrunNode(
+            self.script, ["--job", job, "--out", str(self.work / job), "--steps", str(self.steps), *self.script_args], endpoint, job, nnodes=nnodes, nproc=self.nproc,
+            log=self.work / f"{log_name}-n{daemon}.log", env=env, max_restarts=self.max_restarts, host=not any(n.running() and n.run_id == job for n in self.nodes),
+        )
+        self.nodes.append(node.start())
+        return node
+
+    def launch_job(self, job: str, daemons: list[int]) -> list[TorchrunNode]:
+        endpoint = f"127.0.0.1:{_free_port()}"
+        return [self.launch(job, d, endpoint, job, nnodes=len(daemons)) for d in daemons]
+
+    def saved_steps(self, since: float) -> dict[int, int]:
+        """rank → newest step it saved after ``since``."""
+        newest: dict[int, int] = {}
+        for e in self.events():
+            if e["kind"] == "saved" and e["t"] >= since:
+                newest[e["rank"]] = max(newest.get(e["rank"], -1), e["step"])
+        return newest
+
+    def events(self, job: str | None = None) -> list[dict[str, Any]]:
+        """Every worker's events (of ``job``), oldest first, each with its ``job``."""
+        out = []
+        for f in self.events_dir.glob(f"{job or '*'}/events-*.jsonl"):
+            for line in f.read_text().splitlines():
+                try:
+                    out.append({**json.loads(line), "job": f.parent.name})
+                except ValueError:
+                    continue  # a line being written
+        return sorted(out, key=lambda e: e["t"])
+
+    def wait_step(self, nodes: list[TorchrunNode], step: int, since: float, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while min(self.saved_steps(since).values(), default=-1) < step or len(self.saved_steps(since)) < self.world(nodes):
+            if time.monotonic() > deadline or any(n.popen is not None and n.popen.poll() not in (None, 0) for n in nodes):
+                raise RuntimeError(f"the job did not reach step {step}; logs in {self.work}")
+            time.sleep(0.05)
+
+    def wait_done(self, nodes: list[TorchrunNode], timeout_s: float = 180) -> None:
+        for n in nodes:
+            if n.wait(timeout_s) != 0:
+                raise RuntimeError(f"torchrun on a node failed; logs in {self.work}")
+
+    # --- failures ------------------------------------------------------------------------
+    def timeline(self, kind: str, failed_at: float, detected_at: float, saved_before: int) -> dict[str, Any]:
+        """Seconds from the failure to each stage (the slowest rank), and the steps lost."""
+        ev = [e for e in self.events() if e["t"] >= failed_at]
+        starts = [e["t"] for e in ev if e["kind"] == "process_start"]
+        restored = [e for e in ev if e["kind"] == "restored"]
+        ready = [e["t"] for e in ev if e["kind"] == "data_ready"]
+        if not restored:
+            raise RuntimeError("no rank restored after the failure")
+        step = restored[0]["step"]
+        first: dict[int, float] = {}
+        for e in ev:
+            if e["kind"] == "saved" and e["step"] == step + 1:
+                first.setdefault(e["rank"], e["t"])
+        stamps = {
+            "detected": detected_at, "restarted": max(starts), "restored": max(e["t"] for e in restored),
+            "data_ready": max(ready), "first_step": max(first.values()),
+        }
+        return {
+            "failure": kind, "restored_step": step, "steps_lost": saved_before - step,
+            "seconds": {k: round(v - failed_at, 3) for k, v in stamps.items()},
+        }
+
+    def world(self, nodes: list[TorchrunNode]) -> int:
+        return len(nodes) * self.nproc
+
+    def worker_pid(self, node: str, since: float, job: str | None = None) -> int:
+        """A worker of ``job`` running on ``node`` (the newest to save there)."""
+        return int(next(e["pid"] for e in reversed(self.events(job)) if e["kind"] == "saved" and e["node"] == node and e["t"] >= since))
+
+    def until(self, fn: Any, timeout_s: float = 60) -> float:
+        deadline = time.monotonic() + timeout_s
+        while not fn():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gave up waiting after {timeout_s}s; logs in {self.work}")
+            time.sleep(0.02)
+        return time.time()
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.kill()
+        self.cluster.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
