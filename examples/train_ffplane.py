@@ -3,6 +3,7 @@
 """
 
 import argparse
+import datetime
 import gc
 import os
 
@@ -37,7 +38,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo")
+    # a collective stuck on a peer that died unnoticed fails after a minute (default: 30) and
+    # torchrun restarts the job, instead of waiting half an hour
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT()

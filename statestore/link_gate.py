@@ -26,6 +26,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -174,16 +175,17 @@ class LinkGate:
             return "interface"
         return ""
 
-    async def acquire(self, priority: Priority, nbytes: int, critical: bool = False) -> None:
+    async def acquire(self, priority: Priority, nbytes: int, critical: bool | Callable[[], bool] = False) -> None:
         """Wait until ``nbytes`` of STATE may move at ``priority``; counts them as sent.
         ``critical``: training is, or is about to be, held up by this transfer, so TRAIN's signals
-        do not hold it (the batch a worker waits for always is; a replica trailing too far, too)."""
+        do not hold it (the batch a worker waits for always is; a replica a commit waits for, too).
+        A callable is asked again while waiting: a transfer can become critical at the gate."""
         started = time.monotonic()
         self._waiting[priority] += 1
         paused = False
         try:
             while True:
-                reason = self.closed_because(priority, critical)
+                reason = self.closed_because(priority, critical() if callable(critical) else critical)
                 if not reason and any(self._waiting[p] for p in Priority if p < priority):
                     reason = "priority"
                 if not reason:

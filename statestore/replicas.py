@@ -193,13 +193,16 @@ class ReplicaStore:
             return r
 
     def _purge(self, idle_s: float = 60.0) -> None:
-        """Drop transfers that can no longer count: older than both kept versions of their role
-        (the sender moved on), or idle for a minute (the sender died)."""
+        """Drop transfers that can no longer count: a push older than both kept versions of its
+        role (the sender moved on), or any transfer idle for a minute (the sender died). A pull
+        is never too old: a restore asks for the older step on purpose (the soak found pulls
+        dropped here, restarted, and dropped again, for ever)."""
         now = time.monotonic()
         for key, inc in list(self._incoming.items()):
             job, role, step = key
             kept = self.complete.get((job, role), {})
-            if (len(kept) >= KEEP_VERSIONS and step < min(kept)) or now - inc.touched > idle_s:
+            superseded = inc.meta.kind != "pulled" and len(kept) >= KEEP_VERSIONS and step < min(kept)
+            if superseded or now - inc.touched > idle_s:
                 if not inc.lock.locked():
                     self._drop_incoming(key)
 

@@ -145,7 +145,7 @@ class _Peers:
             pos = start
             while pos < shard.nbytes:
                 n = min(chunk, shard.nbytes - pos)
-                await self.gate.acquire(Priority.REPLICATE, n, critical=urgent())
+                await self.gate.acquire(Priority.REPLICATE, n, critical=urgent)
                 yield view[pos : pos + n]
                 pos += n
 
@@ -165,6 +165,7 @@ class _Peers:
         digest, header = str(meta["checksum"]), dict(meta["header"])
         offset = replicas.begin(job, role, step, nbytes, digest, header, source, kind="pulled")
         chunk = self.gate.config.chunk_bytes
+        conflicts = 0
         while offset < nbytes:
             n = min(chunk, nbytes - offset)
             await self.gate.acquire(Priority.NEXT_BATCH, n)  # a worker is waiting for it
@@ -178,7 +179,8 @@ class _Peers:
             try:
                 offset = await replicas.write(job, role, step, offset, data)
             except SlotError as exc:
-                if exc.status != 409:
+                conflicts += 1
+                if exc.status != 409 or conflicts > 16:
                     raise
                 # The holder is also pushing this shard here (it is our ring predecessor and
                 # re-replicates after the failure): both write one transfer, in order, so carry
@@ -309,8 +311,10 @@ class Replicator:
                 self._wake.set()
 
     async def _drain(self, succ: str, addr: str) -> bool:
-        # newest first: the restorable step needs every role's newest version
-        work = sorted(((step, job, role) for (job, role), steps in self._pending.items() for step in steps), reverse=True)
+        # a version a commit waits for first, then newest first: the restorable step needs every
+        # role's newest version
+        work = sorted(((step, job, role) for (job, role), steps in self._pending.items() for step in steps),
+                      key=lambda w: ((w[1], w[2]) in self._awaited, w[0]), reverse=True)
         for step, job, role in work:
             if self.heartbeat.view.get("successor") != succ:
                 return True  # re-plan against the new ring
@@ -349,8 +353,10 @@ class Replicator:
         rs = self.slots.roles.get((job, role))
         if self.max_lag <= 0 or rs is None or not rs.versions:
             return False
-        if (job, role) in self._awaited:
-            return True  # a commit is waiting for this role's replica
+        if self._awaited:
+            # a commit waits for a replica: whatever push is ahead of it must not wait for TRAIN,
+            # whose collective may be waiting for that commit's worker
+            return True
         done = self.replicated.get((job, role))
         lag = self._commits.get((job, role), 0) if done is None else max(rs.versions) - done[0]
         return lag > self.max_lag

@@ -1,0 +1,256 @@
+"""Chaos soak: the example GPT job (2 nodes x 2 workers, one torchrun per node) under random
+failures every few steps — worker SIGKILL, daemon SIGKILL (restarted on the same shared memory),
+node loss (torchrun, workers, daemon and shared memory gone; a replacement node joins), link cut
+and data-server restart — then checks what the mission promises: every failure recovered, at
+most one lost step each, every batch of the final history the one the failure-free run used
+(every sample exactly once), and final weights bitwise-equal to that run.
+
+    python bench/soak.py --failures 200        # the full soak (about an hour here)
+    python bench/soak.py --failures 5          # what CI runs (tests/test_soak.py)
+
+Writes bench/results/soak.json (failures by kind, recovered, lost steps, data exactly-once,
+bitwise_equal, and every failure's record).
+
+"Link cut" on one machine: the node's processes (daemon, torchrun agent, workers) are frozen with
+SIGSTOP for longer than the coordinator's dead-after, then resumed — the node drops out of the
+ring, its peers block in their collectives, and it rejoins. A cut made with ``ip link set down``
+in network namespaces is in tests/trainer_client/test_node_loss.py (our launcher, not torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import RESULTS  # noqa: E402
+from trainer_client.job_runner import LocalJobs  # noqa: E402
+from trainer_client.torchrun import TorchrunNode, descendants  # noqa: E402
+
+KINDS = ("worker_kill", "daemon_kill", "node_loss", "link_cut", "dataserver_restart")
+JOB, REFERENCE = "soak", "reference"
+
+
+class Soak(LocalJobs):
+    def __init__(self, work: Path, steps: int, seed: int) -> None:
+        super().__init__(work, steps)
+        self.max_restarts = 100_000
+        self.recovery_timeout_s = 120.0
+        self.rng = random.Random(seed)
+        self.placement: list[int] = [0, 1]  # torchrun node position → daemon index
+        self.records: list[dict[str, Any]] = []
+
+    def saved(self, since: float) -> dict[int, int]:
+        newest: dict[int, int] = {}
+        for e in self.events(JOB):
+            if e["kind"] == "saved" and e["t"] >= since:
+                newest[e["rank"]] = max(newest.get(e["rank"], -1), e["step"])
+        return newest
+
+    def progressed(self, nodes: list[TorchrunNode], beyond: int, since: float, timeout_s: float = 180) -> bool:
+        """Whether every rank saved a step past ``beyond`` after ``since`` (or the job finished)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            s = self.saved(since)
+            if len(s) == self.world(nodes) and min(s.values()) > beyond:
+                return True
+            if all(n.popen is not None and n.popen.poll() == 0 for n in nodes):
+                return True
+            time.sleep(0.1)
+        return False
+
+    # --- failures ------------------------------------------------------------------------
+    def inject(self, kind: str, nodes: list[TorchrunNode]) -> None:
+        pos = self.rng.randrange(len(nodes))
+        if kind == "worker_kill":
+            os.kill(self.worker_pid(f"n{self.placement[pos]}", time.time() - 30, JOB), signal.SIGKILL)
+        elif kind == "daemon_kill":
+            d = self.placement[pos]
+            self.cluster.daemons[self._daemon_slot(d)].kill()
+            self.cluster.start_daemon(index=d, budget_mb=512)
+        elif kind == "node_loss":
+            # position 0's agent hosts the c10d rendezvous store: torchrun's one point of failure
+            # (an etcd rendezvous removes it); the soak loses the other node
+            old = self.placement[1]
+            nodes[1].kill()
+            self.cluster.lose_node(old)
+            new = len(self.cluster.roots)
+            self.cluster.start_daemon(index=new, budget_mb=512)
+            self.until(lambda: f"n{new}" in self.status(JOB).get("ring", []))
+            nodes[1] = self.launch(JOB, new, nodes[0].endpoint, JOB)
+            self.placement[1] = new
+        elif kind == "link_cut":
+            d = self.placement[pos]
+            frozen = [nodes[pos].popen.pid, *descendants(nodes[pos].popen.pid), self.cluster.daemons[self._daemon_slot(d)].pid]  # type: ignore[union-attr]
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                self.until(lambda: f"n{d}" in self.status(JOB).get("dead", []), timeout_s=30)
+            finally:
+                for pid in frozen:
+                    os.kill(pid, signal.SIGCONT)
+        elif kind == "dataserver_restart":
+            assert self.cluster.dataserver is not None
+            port = int(self.cluster.dataserver.ready["port"])  # type: ignore[call-overload]
+            self.cluster.dataserver.kill()
+            self.cluster.start_dataserver(port=port)
+        else:
+            raise ValueError(f"unknown failure kind {kind!r}; choose from {KINDS}")
+
+    def _daemon_slot(self, index: int) -> int:
+        """Position in ``cluster.daemons`` of the live daemon for node ``n<index>``."""
+        for i in range(len(self.cluster.daemons) - 1, -1, -1):
+            p = self.cluster.daemons[i]
+            if p.ready.get("node_id") == f"n{index}" and p.popen.poll() is None:
+                return i
+        raise RuntimeError(f"no live daemon for n{index}")
+
+    # --- the run -------------------------------------------------------------------------
+    def run(self, failures: int, kinds: tuple[str, ...]) -> dict[str, Any]:
+        print(f"[1/3] failure-free reference run, {self.steps} steps", flush=True)
+        self.wait_done(self.launch_job(REFERENCE, self.placement), timeout_s=max(180, self.steps))
+        print(f"[2/3] the same job with {failures} failures", flush=True)
+        started = time.time()
+        nodes = self.launch_job(JOB, self.placement)
+        order = [kinds[i % len(kinds)] for i in range(failures)]
+        self.rng.shuffle(order)
+        for i, kind in enumerate(order):
+            gap = self.rng.randint(2, 5)  # steps between recovery and the next failure
+            newest = max(self.saved(started).values(), default=-1)
+            if not self.progressed(nodes, newest + gap - 1, started):
+                raise RuntimeError(f"the job stopped before failure {i}; logs in {self.work}")
+            saved_before = max(self.saved(started).values())
+            if saved_before >= self.steps - 3:
+                print(f"  the job is nearly done after {i} failures: raise --steps", flush=True)
+                break
+            failed_at = time.time()
+            self.inject(kind, nodes)
+            recovered = self.progressed(nodes, saved_before + 1, failed_at, timeout_s=self.recovery_timeout_s)
+            restored = [e for e in self.events(JOB) if e["kind"] == "restored" and e["t"] >= failed_at]
+            rec = {
+                "kind": kind, "recovered": recovered, "saved_before": saved_before,
+                "restored_step": restored[0]["step"] if restored else None,
+                "steps_lost": saved_before - restored[0]["step"] if restored else 0,
+                "seconds_to_progress": round(time.time() - failed_at, 2),
+            }
+            self.records.append(rec)
+            print(f"  {i + 1:4d} {kind:20s} recovered={recovered} lost={rec['steps_lost']} ({rec['seconds_to_progress']} s)", flush=True)
+            if not recovered:
+                self.diagnose()
+                break
+        print("[3/3] waiting for the job to finish; checking data and weights", flush=True)
+        if self.records and not self.records[-1]["recovered"]:
+            raise RuntimeError(f"failure {len(self.records)} ({self.records[-1]['kind']}) was not recovered; logs in {self.work}")
+        self.wait_done(nodes, timeout_s=max(300, self.steps))
+        return self.summary()
+
+    def diagnose(self) -> None:
+        """What every worker and daemon is doing (the job did not recover): into the work folder."""
+        import subprocess
+        import urllib.request
+
+        with open(self.work / "diagnosis.txt", "w") as out:
+            for n in self.nodes:
+                if n.running() and n.popen is not None:
+                    for pid in descendants(n.popen.pid):
+                        out.write(subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True, text=True).stdout)
+            for d in self.cluster.daemons:
+                if d.popen.poll() is None:
+                    for path in ("/v1/state", "/v1/gate"):
+                        try:
+                            out.write(f"{d.url}{path}: {urllib.request.urlopen(d.url + path, timeout=3).read().decode()}\n")
+                        except OSError as exc:
+                            out.write(f"{d.url}{path}: {exc}\n")
+        print(f"  diagnosis in {self.work / 'diagnosis.txt'}", flush=True)
+
+    def summary(self) -> dict[str, Any]:
+        import torch
+
+        a, b = torch.load(self.work / JOB / "final.pt"), torch.load(self.work / REFERENCE / "final.pt")
+        bitwise = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        exactly_once, detail = self.data_exactly_once()
+        recs = self.records
+        return {
+            "failures": len(recs),
+            "by_kind": dict(Counter(r["kind"] for r in recs)),
+            "recovered": sum(r["recovered"] for r in recs),
+            "unrecoverable": sum(not r["recovered"] for r in recs),
+            "lost_steps": {"total": sum(r["steps_lost"] for r in recs), "max": max((r["steps_lost"] for r in recs), default=0),
+                           "by_kind": {k: max(r["steps_lost"] for r in recs if r["kind"] == k) for k in {r["kind"] for r in recs}}},
+            "data_exactly_once": exactly_once, "data_detail": detail,
+            "bitwise_equal": bitwise, "steps": self.steps, "records": recs,
+        }
+
+    def data_exactly_once(self) -> tuple[bool, str]:
+        """The batch each rank trained on at each step of the final history (the last time that
+        step was served) is the failure-free run's, and every step is there once."""
+        def history(job: str) -> dict[tuple[int, int], str]:
+            last: dict[tuple[int, int], str] = {}
+            for e in self.events(job):
+                if e["kind"] == "batch":
+                    last[(e["rank"], e["step"])] = e["digest"]
+            return last
+
+        ours, ref = history(JOB), history(REFERENCE)
+        want = {(r, s) for r in range(4) for s in range(self.steps)}
+        if set(ref) != want:
+            return False, f"the reference run served {len(ref)} of {len(want)} (rank, step) batches"
+        if set(ours) != want:
+            return False, f"missing batches: {sorted(want - set(ours))[:5]}"
+        wrong = [k for k in want if ours[k] != ref[k]]
+        if wrong:
+            return False, f"{len(wrong)} batches differ from the failure-free run, e.g. {sorted(wrong)[:5]}"
+        if len(set(ref.values())) != len(ref):
+            return False, "the failure-free run served the same batch twice"
+        return True, f"{len(want)} batches, each the failure-free run's, none repeated"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--failures", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=0, help="job length (default: 9 per failure + 30)")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    ap.add_argument("--out", default="soak")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, events)")
+    args = ap.parse_args(argv)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        ap.error(f"unknown kinds {sorted(unknown)}; choose from {','.join(KINDS)}")
+    steps = args.steps or 9 * args.failures + 30
+    work = Path(tempfile.mkdtemp(prefix="ffplane-soak-"))
+    soak = Soak(work, steps, args.seed)
+    try:
+        soak.prepare([REFERENCE, JOB], rows=max(4096, 32 * (steps + 1)))
+        result = soak.run(args.failures, kinds)
+    finally:
+        soak.close()
+        if args.keep:
+            print(f"work folder kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    result["config"] = {"failures_requested": args.failures, "kinds": list(kinds), "seed": args.seed, "nodes": 2, "workers_per_node": 2}
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    out = args.results_dir / f"{args.out}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "records"}, indent=1))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    r = main()
+    sys.exit(0 if r["unrecoverable"] == 0 and r["bitwise_equal"] and r["data_exactly_once"] and r["lost_steps"]["max"] <= 1 else 1)
