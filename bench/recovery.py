@@ -1,0 +1,294 @@
+"""Recovery against today's practice: the example GPT job on 2 nodes x 2 workers, one torchrun per
+node, on ffplane and as most jobs run today — torch.save to disk every K steps (K = 10 and 50),
+the same model, data and launcher — each side measured in the same run.
+
+    python bench/recovery.py                  # ~20 min here
+    python bench/recovery.py --repeats 1 --goodput-failures 1 --goodput-interval 15   # a smoke
+
+For a worker SIGKILL and for a node loss (torchrun, workers and, on ffplane, the node's daemon
+and shared memory gone; a replacement node joins), the MTTR breakdown — detected (torchrun logs
+the failed worker), restarted (the last new worker process started), restored, data ready,
+first step done (every rank), caught up (every rank past the step it had reached when the
+failure hit: the lost steps redone) — and the steps lost (newest step done before the failure
+minus the step training resumed from). Then goodput: useful steps per minute over a run with a worker
+SIGKILLed every ``--goodput-interval`` seconds, over the same system's failure-free run.
+
+Writes bench/results/recovery.json and recovery.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import RESULTS, write_results  # noqa: E402
+from trainer_client.job_runner import EXAMPLE, STAGES, LocalJobs  # noqa: E402
+from trainer_client.torchrun import TorchrunNode  # noqa: E402
+
+PLAIN = Path(__file__).resolve().parent / "_plain_job.py"
+_AGENT_FAILED = re.compile(r"^[EW](\d{4}) (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode")
+
+
+class System(LocalJobs):
+    """One side of the comparison: ``save_every`` None for ffplane, else torch.save every K."""
+
+    def __init__(self, work: Path, steps: int, save_every: int | None) -> None:
+        super().__init__(work, steps, script=EXAMPLE if save_every is None else PLAIN)
+        self.save_every = save_every
+        self.max_restarts = 1000
+        self.name = "ffplane" if save_every is None else f"torch.save K={save_every}"
+        self.runs = 0
+        self.placement = [0, 1]
+        self.next_daemon = 2
+
+    def new_job(self) -> str:
+        """A fresh job name (and, for torch.save, a fresh checkpoint directory)."""
+        self.runs += 1
+        job = f"run{self.runs}"
+        if self.save_every is None:
+            self.post("/v1/jobs", {"name": job, "dataset": "tokens", "dp": 4, "batch_per_rank": 8, "seed": 0, "max_steps": self.steps})
+        else:
+            self.script_args = ["--data", str(self.work / "tokens.parquet"), "--save-every", str(self.save_every)]
+        return job
+
+    def done_steps(self, job: str, since: float) -> dict[int, int]:
+        newest: dict[int, int] = {}
+        for e in self.events(job):
+            if e["kind"] == "saved" and e["t"] >= since:
+                newest[e["rank"]] = max(newest.get(e["rank"], -1), e["step"])
+        return newest
+
+    def wait_steps(self, job: str, nodes: list[TorchrunNode], beyond: int, since: float, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = self.done_steps(job, since)
+            if len(s) == self.world(nodes) and min(s.values()) > beyond:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: {job} did not get past step {beyond}; logs in {self.work}")
+            time.sleep(0.05)
+
+    # --- failures ------------------------------------------------------------------------
+    def kill_worker(self, job: str) -> None:
+        os.kill(self.worker_pid(f"n{self.placement[0]}", time.time() - 30, job), signal.SIGKILL)
+
+    def lose_node(self, job: str, nodes: list[TorchrunNode]) -> None:
+        """Node 1 is gone; a replacement node joins (on ffplane: an empty daemon, registered)."""
+        nodes[1].kill()
+        if self.save_every is None:
+            self.cluster.lose_node(self.placement[1])
+            new = self.next_daemon
+            self.next_daemon += 1
+            self.cluster.start_daemon(index=new, budget_mb=512)
+            self.until(lambda: f"n{new}" in self.status(job).get("ring", []))
+            self.placement[1] = new
+        nodes[1] = self.launch(job, self.placement[1], nodes[0].endpoint, job)
+
+    def detected(self, job: str, after: float) -> float | None:
+        """When a torchrun agent first logged a failed worker after ``after`` (its own clock)."""
+        year = datetime.datetime.now().year
+        first = None
+        for log in self.work.glob(f"{job}-n*.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                m = _AGENT_FAILED.match(line)
+                if m:
+                    t = datetime.datetime.strptime(f"{year}{m.group(1)} {m.group(2)}", "%Y%m%d %H:%M:%S.%f").astimezone().timestamp()
+                    if t >= after and (first is None or t < first):
+                        first = t
+        return first
+
+    def timeline(self, job: str, kind: str, failed_at: float, saved_before: int) -> dict[str, Any]:  # type: ignore[override]
+        ev = [e for e in self.events(job) if e["t"] >= failed_at]
+        restored = [e for e in ev if e["kind"] == "restored"]
+        if not restored:
+            raise RuntimeError(f"{self.name}: no rank restored after the {kind}; logs in {self.work}")
+        step = min(e["step"] for e in restored)
+        first: dict[int, float] = {}
+        back: dict[int, float] = {}
+        for e in ev:
+            if e["kind"] == "saved" and e["step"] == step + 1:
+                first.setdefault(e["rank"], e["t"])
+            if e["kind"] == "saved" and e["step"] == saved_before + 1:
+                back.setdefault(e["rank"], e["t"])
+        stamps = {
+            "detected": self.detected(job, failed_at) or failed_at,
+            "restarted": max(e["t"] for e in ev if e["kind"] == "process_start"),
+            "restored": max(e["t"] for e in restored),
+            "data_ready": max(e["t"] for e in ev if e["kind"] == "data_ready"),
+            "first_step": max(first.values()),
+            # productive again: past where it was when it failed (the lost steps redone)
+            "caught_up": max(back.values()),
+        }
+        return {"failure": kind, "restored_step": step, "steps_lost": saved_before - step,
+                "seconds": {k: round(v - failed_at, 3) for k, v in stamps.items()}}
+
+    # --- runs ----------------------------------------------------------------------------
+    def mttr(self, repeats: int) -> list[dict[str, Any]]:
+        """One job; a worker kill, then a node loss, ``repeats`` times, a few steps apart."""
+        job = self.new_job()
+        since = time.time()
+        nodes = self.launch_job(job, self.placement)
+        out = []
+        for _ in range(repeats):
+            for kind in ("worker SIGKILL", "node loss"):
+                newest = max(self.done_steps(job, since).values(), default=-1)
+                # a few steps past the last restore, off any checkpoint boundary for torch.save
+                self.wait_steps(job, nodes, newest + 6, since)
+                saved_before = max(self.done_steps(job, since).values())
+                failed_at = time.time()
+                if kind == "worker SIGKILL":
+                    self.kill_worker(job)
+                else:
+                    self.lose_node(job, nodes)
+                self.wait_steps(job, nodes, saved_before + 1, failed_at)  # caught up
+                out.append(self.timeline(job, kind, failed_at, saved_before))
+                print(f"  {self.name:18s} {kind:15s} first step after {out[-1]['seconds']['first_step']:6.2f} s, lost {out[-1]['steps_lost']}, caught up after {out[-1]['seconds']['caught_up']:6.2f} s", flush=True)
+        self.finish(nodes)
+        return out
+
+    def finish(self, nodes: list[TorchrunNode]) -> None:
+        for n in nodes:
+            n.kill()
+
+    def goodput(self, failures: int, interval_s: float) -> dict[str, Any]:
+        """Steps per minute with a worker SIGKILLed every ``interval_s`` seconds (from the first
+        step), and without failures; the same number of steps."""
+        def run(fail: bool) -> float:
+            job = self.new_job()
+            started = time.time()
+            nodes = self.launch_job(job, self.placement)
+            self.wait_steps(job, nodes, -1, started)
+            first = time.time()
+            kills = 0
+            while any(n.running() for n in nodes):
+                if fail and kills < failures and time.time() - first >= (kills + 1) * interval_s:
+                    self.kill_worker(job)
+                    kills += 1
+                time.sleep(0.05)
+            self.wait_done(nodes)
+            last = max(e["t"] for e in self.events(job) if e["kind"] == "saved")
+            return self.steps / ((last - first) / 60)
+
+        free = run(False)
+        failing = run(True)
+        return {"steps_per_min_failure_free": round(free, 1), "steps_per_min_with_failures": round(failing, 1), "goodput": round(failing / free, 3)}
+
+
+def _summary(samples: list[float]) -> dict[str, Any]:
+    return {"min": min(samples), "median": statistics.median(samples), "max": max(samples), "samples": samples}
+
+
+def measure(system: System, repeats: int, failures: int, interval_s: float, steps_per_s: float | None) -> tuple[dict[str, Any], float]:
+    timelines = system.mttr(repeats)
+    figures: dict[str, Any] = {}
+    for kind in ("worker SIGKILL", "node loss"):
+        ts = [t for t in timelines if t["failure"] == kind]
+        figures[kind] = {
+            "mttr_s": _summary([t["seconds"]["first_step"] for t in ts]),
+            "caught_up_s": _summary([t["seconds"]["caught_up"] for t in ts]),
+            "stages_median_s": {s: statistics.median(t["seconds"][s] for t in ts) for s in (*STAGES, "caught_up")},
+            "steps_lost": _summary([t["steps_lost"] for t in ts]),
+            "timelines": ts,
+        }
+    if steps_per_s is None:  # size the goodput runs from this system's pace: ``failures`` intervals
+        ev = [e for e in system.events("run1") if e["kind"] == "saved" and e["rank"] == 0]
+        steps_per_s = (ev[-1]["step"] - ev[0]["step"]) / max(ev[-1]["t"] - ev[0]["t"], 1e-3) if len(ev) > 1 else 5.0
+    system.steps = max(60, int(steps_per_s * interval_s * (failures + 0.5)))
+    figures["goodput"] = {**system.goodput(failures, interval_s), "steps": system.steps}
+    return figures, steps_per_s
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3, help="worker kills and node losses per system")
+    ap.add_argument("--goodput-failures", type=int, default=2)
+    ap.add_argument("--goodput-interval", type=float, default=45.0, help="seconds between worker kills in the goodput run")
+    ap.add_argument("--k", default="10,50", help="torch.save every K steps, for each K")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    ap.add_argument("--out", default="recovery")
+    args = ap.parse_args(argv)
+    sides: list[int | None] = [None, *(int(k) for k in args.k.split(",") if k)]
+    results: dict[str, Any] = {}
+    pace = None
+    for save_every in sides:
+        work = Path(tempfile.mkdtemp(prefix="ffplane-recovery-"))
+        # long enough for the MTTR run: repeats x 2 failures, each after 6 steps plus what a
+        # torch.save restart rewinds
+        system = System(work, steps=60 + args.repeats * 2 * (8 + 2 * (save_every or 1)), save_every=save_every)
+        print(f"[{system.name}]", flush=True)
+        try:
+            system.prepare([], rows=8192)
+            results[system.name], pace = measure(system, args.repeats, args.goodput_failures, args.goodput_interval, pace)
+        finally:
+            system.close()
+            shutil.rmtree(work, ignore_errors=True)
+    ours = results["ffplane"]
+    checks: dict[str, Any] = {
+        "worker_kill_mttr_s<=5": ours["worker SIGKILL"]["mttr_s"]["median"] <= 5,
+        "node_loss_mttr_s<=10": ours["node loss"]["mttr_s"]["median"] <= 10,
+        "lost_steps<=1": max(ours["worker SIGKILL"]["steps_lost"]["max"], ours["node loss"]["steps_lost"]["max"]) <= 1,
+        "goodput>=0.95": ours["goodput"]["goodput"] >= 0.95,
+    }
+    config = {"nodes": 2, "workers_per_node": 2, "repeats": args.repeats, "goodput_failures": args.goodput_failures,
+              "goodput_interval_s": args.goodput_interval, "k": args.k, "launcher": "torchrun (c10d, one per node)"}
+    path = write_results(args.out, results, config, checks, args.results_dir)
+    _print(results)
+    _plot(results, args.results_dir / f"{args.out}.png")
+    print(f"targets: {checks}\nwrote {path}")
+    return {"figures": results, "targets": checks}
+
+
+def _print(results: dict[str, Any]) -> None:
+    base = results["ffplane"]
+    print(f"\n{'system':18s} {'failure':15s}" + "".join(f"{s:>11s}" for s in (*STAGES, "caught_up")) + "  lost  MTTR / caught up vs ffplane")
+    for name, fig in results.items():
+        for kind in ("worker SIGKILL", "node loss"):
+            st = fig[kind]["stages_median_s"]
+            ratio = fig[kind]["mttr_s"]["median"] / base[kind]["mttr_s"]["median"]
+            back = fig[kind]["caught_up_s"]["median"] / base[kind]["caught_up_s"]["median"]
+            print(f"{name:18s} {kind:15s}" + "".join(f"{st[s]:10.2f}s" for s in (*STAGES, "caught_up")) + f"  {fig[kind]['steps_lost']['median']:4.0f}  {ratio:5.2f}x / {back:5.2f}x")
+    print(f"\n{'system':18s} goodput (steps/min with failures / failure-free)   vs ffplane")
+    for name, fig in results.items():
+        g = fig["goodput"]
+        print(f"{name:18s} {g['goodput']:.3f} ({g['steps_per_min_with_failures']} / {g['steps_per_min_failure_free']})   {g['goodput'] / base['goodput']['goodput']:.2f}x")
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    colors = ["#c44e52", "#dd8452", "#4c72b0", "#55a868", "#8172b3"]
+    rows = [(f"{name}\n{kind}", fig[kind]["stages_median_s"]) for name, fig in results.items() for kind in ("worker SIGKILL", "node loss")]
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(rows)))
+    for i, (_, st) in enumerate(rows):
+        prev = 0.0
+        for stage, color in zip(STAGES, colors):
+            ax.barh(i, st[stage] - prev, left=prev, color=color, label=stage if i == 0 else None)
+            prev = max(prev, st[stage])
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds after the failure (median)")
+    ax.legend(ncol=5, fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
