@@ -117,7 +117,8 @@ class System(LocalJobs):
         step = min(e["step"] for e in restored)
         first: dict[int, float] = {}
         back: dict[int, float] = {}
-        for e in ev:
+        resumed = min(e["t"] for e in restored)
+        for e in (e for e in ev if e["t"] >= resumed):  # a lagging rank's step before the restart does not count
             if e["kind"] == "saved" and e["step"] == step + 1:
                 first.setdefault(e["rank"], e["t"])
             if e["kind"] == "saved" and e["step"] == saved_before + 1:
