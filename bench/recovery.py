@@ -64,11 +64,7 @@ class System(LocalJobs):
         return job
 
     def done_steps(self, job: str, since: float) -> dict[int, int]:
-        newest: dict[int, int] = {}
-        for e in self.events(job):
-            if e["kind"] == "saved" and e["t"] >= since:
-                newest[e["rank"]] = max(newest.get(e["rank"], -1), e["step"])
-        return newest
+        return self.saved_steps(since, job)
 
     def wait_steps(self, job: str, nodes: list[TorchrunNode], beyond: int, since: float, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s

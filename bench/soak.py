@@ -52,11 +52,7 @@ class Soak(LocalJobs):
         self.records: list[dict[str, Any]] = []
 
     def saved(self, since: float) -> dict[int, int]:
-        newest: dict[int, int] = {}
-        for e in self.events(JOB):
-            if e["kind"] == "saved" and e["t"] >= since:
-                newest[e["rank"]] = max(newest.get(e["rank"], -1), e["step"])
-        return newest
+        return self.saved_steps(since, JOB)
 
     def progressed(self, nodes: list[TorchrunNode], beyond: int, since: float, timeout_s: float = 180) -> bool:
         """Whether every rank saved a step past ``beyond`` after ``since`` (or the job finished)."""

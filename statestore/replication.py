@@ -324,7 +324,7 @@ class Replicator:
                 continue
             started = time.perf_counter()
             try:
-                sent = await self.peers.push(addr, shard, self.node_id, max(self._local_steps(job, role, shard.kind)), lambda: self._lagging(job, role))
+                sent = await self.peers.push(addr, shard, self.node_id, max(self._local_steps(job, role, shard.kind)), lambda: self._urgent(job, role))
             except PeerError as exc:
                 if exc.status == 409 and not shard.current():
                     self._discard(job, role, step)  # superseded here; a newer version is queued
@@ -344,19 +344,19 @@ class Replicator:
             log.info("replicated", extra={"job": job, "role": role, "step": step, "to": succ, "bytes": sent, "seconds": round(time.perf_counter() - started, 4)})
         return True
 
-    def _lagging(self, job: str, role: str) -> bool:
-        """Whether this role's replica trails by more than ``max_lag`` commits. The gate may delay
-        replication while TRAIN runs, but not that long: with both of the successor's versions
-        older than both of ours, losing this node would leave no step every role has (found by
-        the demo, whose collectives keep the link busy nearly all the time). Beyond one step of
-        lag, the push is critical: it passes TRAIN's signals (still counted as replication)."""
-        rs = self.slots.roles.get((job, role))
-        if self.max_lag <= 0 or rs is None or not rs.versions:
+    def _urgent(self, job: str, role: str) -> bool:
+        """Whether a push may pass TRAIN's signals (it is still counted as replication). The gate
+        may delay replication while TRAIN runs, but not when a commit's answer — and so a worker's
+        next all-reduce, which its peers are waiting in — waits for a replica: then every push
+        ahead of that one goes too. Nor once a role's replica trails by more than ``max_lag``
+        commits (found by the demo, whose collectives keep the link busy nearly all the time)."""
+        if self.max_lag <= 0:
             return False
         if self._awaited:
-            # a commit waits for a replica: whatever push is ahead of it must not wait for TRAIN,
-            # whose collective may be waiting for that commit's worker
             return True
+        rs = self.slots.roles.get((job, role))
+        if rs is None or not rs.versions:
+            return False
         done = self.replicated.get((job, role))
         lag = self._commits.get((job, role), 0) if done is None else max(rs.versions) - done[0]
         return lag > self.max_lag
