@@ -63,13 +63,10 @@ class System(LocalJobs):
             self.script_args = ["--data", str(self.work / "tokens.parquet"), "--save-every", str(self.save_every)]
         return job
 
-    def done_steps(self, job: str, since: float) -> dict[int, int]:
-        return self.saved_steps(since, job)
-
     def wait_steps(self, job: str, nodes: list[TorchrunNode], beyond: int, since: float, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            s = self.done_steps(job, since)
+            s = self.saved_steps(since, job)
             if len(s) == self.world(nodes) and min(s.values()) > beyond:
                 return
             if time.monotonic() > deadline:
@@ -105,32 +102,6 @@ class System(LocalJobs):
                         first = t
         return first
 
-    def timeline(self, job: str, kind: str, failed_at: float, saved_before: int) -> dict[str, Any]:  # type: ignore[override]
-        ev = [e for e in self.events(job) if e["t"] >= failed_at]
-        restored = [e for e in ev if e["kind"] == "restored"]
-        if not restored:
-            raise RuntimeError(f"{self.name}: no rank restored after the {kind}; logs in {self.work}")
-        step = min(e["step"] for e in restored)
-        first: dict[int, float] = {}
-        back: dict[int, float] = {}
-        resumed = min(e["t"] for e in restored)
-        for e in (e for e in ev if e["t"] >= resumed):  # a lagging rank's step before the restart does not count
-            if e["kind"] == "saved" and e["step"] == step + 1:
-                first.setdefault(e["rank"], e["t"])
-            if e["kind"] == "saved" and e["step"] == saved_before + 1:
-                back.setdefault(e["rank"], e["t"])
-        stamps = {
-            "detected": self.detected(job, failed_at) or failed_at,
-            "restarted": max(e["t"] for e in ev if e["kind"] == "process_start"),
-            "restored": max(e["t"] for e in restored),
-            "data_ready": max(e["t"] for e in ev if e["kind"] == "data_ready"),
-            "first_step": max(first.values()),
-            # productive again: past where it was when it failed (the lost steps redone)
-            "caught_up": max(back.values()),
-        }
-        return {"failure": kind, "restored_step": step, "steps_lost": saved_before - step,
-                "seconds": {k: round(v - failed_at, 3) for k, v in stamps.items()}}
-
     # --- runs ----------------------------------------------------------------------------
     def mttr(self, repeats: int) -> list[dict[str, Any]]:
         """One job; a worker kill, then a node loss, ``repeats`` times, a few steps apart."""
@@ -140,17 +111,17 @@ class System(LocalJobs):
         out = []
         for _ in range(repeats):
             for kind in ("worker SIGKILL", "node loss"):
-                newest = max(self.done_steps(job, since).values(), default=-1)
+                newest = max(self.saved_steps(since, job).values(), default=-1)
                 # a few steps past the last restore, off any checkpoint boundary for torch.save
                 self.wait_steps(job, nodes, newest + 6, since)
-                saved_before = max(self.done_steps(job, since).values())
+                saved_before = max(self.saved_steps(since, job).values())
                 failed_at = time.time()
                 if kind == "worker SIGKILL":
                     self.kill_worker(job)
                 else:
                     self.lose_node(job, nodes)
                 self.wait_steps(job, nodes, saved_before + 1, failed_at)  # caught up
-                out.append(self.timeline(job, kind, failed_at, saved_before))
+                out.append(self.timeline(kind, failed_at, self.detected(job, failed_at) or failed_at, saved_before, job))
                 print(f"  {self.name:18s} {kind:15s} first step after {out[-1]['seconds']['first_step']:6.2f} s, lost {out[-1]['steps_lost']}, caught up after {out[-1]['seconds']['caught_up']:6.2f} s", flush=True)
         self.finish(nodes)
         return out

@@ -51,14 +51,11 @@ class Soak(LocalJobs):
         self.placement: list[int] = [0, 1]  # torchrun node position → daemon index
         self.records: list[dict[str, Any]] = []
 
-    def saved(self, since: float) -> dict[int, int]:
-        return self.saved_steps(since, JOB)
-
     def progressed(self, nodes: list[TorchrunNode], beyond: int, since: float, timeout_s: float = 180) -> bool:
         """Whether every rank saved a step past ``beyond`` after ``since`` (or the job finished)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            s = self.saved(since)
+            s = self.saved_steps(since, JOB)
             if len(s) == self.world(nodes) and min(s.values()) > beyond:
                 return True
             if all(n.popen is not None and n.popen.poll() == 0 for n in nodes):
@@ -123,10 +120,10 @@ class Soak(LocalJobs):
         self.rng.shuffle(order)
         for i, kind in enumerate(order):
             gap = self.rng.randint(2, 5)  # steps between recovery and the next failure
-            newest = max(self.saved(started).values(), default=-1)
+            newest = max(self.saved_steps(started, JOB).values(), default=-1)
             if not self.progressed(nodes, newest + gap - 1, started):
                 raise RuntimeError(f"the job stopped before failure {i}; logs in {self.work}")
-            saved_before = max(self.saved(started).values())
+            saved_before = max(self.saved_steps(started, JOB).values())
             if saved_before >= self.steps - 3:
                 print(f"  the job is nearly done after {i} failures: raise --steps", flush=True)
                 break

@@ -119,23 +119,35 @@ class LocalJobs:
                 raise RuntimeError(f"torchrun on a node failed; logs in {self.work}")
 
     # --- failures ------------------------------------------------------------------------
-    def timeline(self, kind: str, failed_at: float, detected_at: float, saved_before: int) -> dict[str, Any]:
-        """Seconds from the failure to each stage (the slowest rank), and the steps lost."""
-        ev = [e for e in self.events() if e["t"] >= failed_at]
-        starts = [e["t"] for e in ev if e["kind"] == "process_start"]
+    def timeline(self, kind: str, failed_at: float, detected_at: float, saved_before: int, job: str | None = None) -> dict[str, Any]:
+        """Seconds from the failure to each stage (the slowest rank), and the steps lost. Stages:
+        detected (``detected_at``), restarted (the last new process), restored, data ready, first
+        step done, caught up (every rank past ``saved_before``, the newest step done before the
+        failure: the lost steps redone)."""
+        ev = [e for e in self.events(job) if e["t"] >= failed_at]
         restored = [e for e in ev if e["kind"] == "restored"]
-        ready = [e["t"] for e in ev if e["kind"] == "data_ready"]
         if not restored:
-            raise RuntimeError("no rank restored after the failure")
-        step = restored[0]["step"]
+            raise RuntimeError(f"no rank restored after the {kind}; logs in {self.work}")
+        step = min(e["step"] for e in restored)
+        resumed = min(e["t"] for e in restored)
         first: dict[int, float] = {}
+        back: dict[int, float] = {}
         for e in ev:
-            if e["kind"] == "saved" and e["step"] == step + 1:
+            if e["kind"] != "saved" or e["t"] < resumed:  # a lagging rank's step before the restart does not count
+                continue
+            if e["step"] == step + 1:
                 first.setdefault(e["rank"], e["t"])
+            if e["step"] == saved_before + 1:
+                back.setdefault(e["rank"], e["t"])
         stamps = {
-            "detected": detected_at, "restarted": max(starts), "restored": max(e["t"] for e in restored),
-            "data_ready": max(ready), "first_step": max(first.values()),
+            "detected": detected_at,
+            "restarted": max(e["t"] for e in ev if e["kind"] == "process_start"),
+            "restored": max(e["t"] for e in restored),
+            "data_ready": max(e["t"] for e in ev if e["kind"] == "data_ready"),
+            "first_step": max(first.values()),
         }
+        if back:
+            stamps["caught_up"] = max(back.values())
         return {
             "failure": kind, "restored_step": step, "steps_lost": saved_before - step,
             "seconds": {k: round(v - failed_at, 3) for k, v in stamps.items()},

@@ -70,3 +70,17 @@ def test_link_gate_smoke(tmp_path: Path) -> None:
     # a 0.2 s TRAIN window may see no STATE chunk at all: the smoke checks the figures exist, not their size
     assert out["figures"]["train_alone_s"]["median"] > 0 and {"state_bytes_ungated", "gated_idle_capacity_used"} <= set(out["figures"])
     assert (tmp_path / "lg.json").exists()
+
+
+def test_recovery_smoke(tmp_path: Path) -> None:
+    """Both sides of bench/recovery.py start, fail, recover and are timed (one of each failure)."""
+    from bench import recovery
+
+    out = recovery.main(["--repeats", "1", "--goodput-failures", "1", "--goodput-interval", "10", "--k", "10", "--results-dir", str(tmp_path)])
+    assert set(out["figures"]) == {"ffplane", "torch.save K=10"}
+    for side in out["figures"].values():
+        for kind in ("worker SIGKILL", "node loss"):
+            assert set(side[kind]["stages_median_s"]) >= {"restarted", "restored", "first_step", "caught_up"}
+        assert side["goodput"]["goodput"] > 0
+    assert out["figures"]["ffplane"]["node loss"]["steps_lost"]["max"] <= 1
+    assert (tmp_path / "recovery.json").exists()

@@ -26,7 +26,7 @@ def test_the_demo_recovers_both_failures_bitwise_and_cleans_up(tmp_path: Path) -
     assert [t["failure"] for t in result["timelines"]] == ["worker SIGKILL", "node loss"]
     for t in result["timelines"]:
         assert 0 <= t["steps_lost"] <= 1
-        assert set(t["seconds"]) == {"detected", "restarted", "restored", "data_ready", "first_step"}
+        assert {"detected", "restarted", "restored", "data_ready", "first_step"} <= set(t["seconds"])
         assert t["seconds"]["restored"] <= t["seconds"]["data_ready"] <= t["seconds"]["first_step"]
     assert (out / "timeline.png").stat().st_size > 0 and (out / "loss.png").stat().st_size > 0
     assert "final weights bitwise-equal to the failure-free run: True" in r.stdout
