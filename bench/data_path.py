@@ -9,7 +9,10 @@ Measured in one run, on one dataset of tokenised text (rows of ``--seq`` int32 t
 * ``memcpy_gbps`` — numpy copy between two pre-faulted buffers of one step's size × 64;
 * ``loopback_tcp_gbps`` — one Python TCP connection on 127.0.0.1 between two processes;
 * ``node_cache_read_gbps`` — the DataLoader reading steps already in the node daemon's cache,
-  every byte copied into a preallocated training buffer (so zero-copy views are not free);
+  every byte copied into a preallocated training buffer (so zero-copy views are not free). The
+  cache root is a tmpfs the benchmark mounts with ``huge=within_size`` (the recommended
+  deployment; needs root, else /dev/shm); ``node_cache_read_4k_pages_gbps`` is the same read
+  from a daemon on /dev/shm (4 KiB pages);
 * ``control_rtt_us`` — one worker↔daemon control round trip (Unix socket, JSON line) per batch;
 * ``end_to_end_gbps`` — a fresh job: data server → daemon (HTTP) → DataLoader, same consumer;
 * ``torch_dataloader_local_gbps`` — a plain torch DataLoader over the local Arrow shards
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -158,6 +162,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", type=Path, default=Path("/tmp/ffplane-bench-data"), help="dataset folder (kept for reuse)")
     p.add_argument("--no-mosaic", action="store_true", help="skip mosaicml-streaming")
+    p.add_argument("--huge", choices=["auto", "off"], default="auto",
+                   help="auto: put the node cache on a tmpfs mounted huge=within_size (needs root; the "
+                        "recommended deployment, docs/deployment.md) and also measure /dev/shm; off: /dev/shm only")
     p.add_argument("--out", default="data_path")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -179,49 +186,60 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     token = secrets.token_hex(16)
     runs = iter(range(10_000))
     run_id = secrets.token_hex(3)  # job records persist in the data dir; never reuse a name
-    with LocalCluster(args.work, ds_dir.parent, token) as cluster:
-        ds = cluster.start_dataserver("--log-level", "warning")
-        window = args.cached_steps
-        daemon = cluster.start_daemon("--window", str(window), "--log-level", "warning", budget_mb=max(512, 3 * window * step_bytes >> 20))
+    window = args.cached_steps
+    budget_mb = max(512, 3 * window * step_bytes >> 20)
 
-        def cached_read() -> float:
-            job = f"cached-{run_id}-{next(runs)}"
-            _create_job(ds.url, token, job, args.batch, args.cached_steps, seed=next(runs))
-            loader = DataLoader(job, 0, dataserver=ds.url, token=token, socket_path=cluster.socket())
-            batches = iter(loader)
-            next(batches)  # the first request starts the prefetch of the whole (short) job
-            _wait_cached(daemon.url, job, args.cached_steps)
-            nbytes, secs = _consume(batches, args.batch, args.seq)
-            loader.close()
-            return nbytes / secs / GB
+    def node_figures(shm_parent: Path, prefix: str = "", only_cached: bool = False) -> None:
+        with LocalCluster(args.work, ds_dir.parent, token, shm_parent=shm_parent) as cluster:
+            ds = cluster.start_dataserver("--log-level", "warning")
+            daemon = cluster.start_daemon("--window", str(window), "--log-level", "warning", budget_mb=budget_mb)
 
-        def end_to_end() -> float:
-            job = f"e2e-{run_id}-{next(runs)}"
-            _create_job(ds.url, token, job, args.batch, args.steps, seed=next(runs))
-            loader = DataLoader(job, 0, dataserver=ds.url, token=token, socket_path=cluster.socket())
-            nbytes, secs = _consume(iter(loader), args.batch, args.seq)
-            loader.close()
-            return nbytes / secs / GB
+            def cached_read() -> float:
+                job = f"cached-{run_id}-{next(runs)}"
+                _create_job(ds.url, token, job, args.batch, args.cached_steps, seed=next(runs))
+                loader = DataLoader(job, 0, dataserver=ds.url, token=token, socket_path=cluster.socket())
+                batches = iter(loader)
+                next(batches)  # the first request starts the prefetch of the whole (short) job
+                _wait_cached(daemon.url, job, args.cached_steps)
+                nbytes, secs = _consume(batches, args.batch, args.seq)
+                loader.close()
+                return nbytes / secs / GB
 
-        def control_rtt_us() -> float:
-            """One worker↔daemon round trip for a step already cached (the per-batch control cost)."""
-            from trainer_client._daemon_client import DaemonClient
+            def end_to_end() -> float:
+                job = f"e2e-{run_id}-{next(runs)}"
+                _create_job(ds.url, token, job, args.batch, args.steps, seed=next(runs))
+                loader = DataLoader(job, 0, dataserver=ds.url, token=token, socket_path=cluster.socket())
+                nbytes, secs = _consume(iter(loader), args.batch, args.seq)
+                loader.close()
+                return nbytes / secs / GB
 
-            job = f"rtt-{run_id}-{next(runs)}"
-            _create_job(ds.url, token, job, args.batch, 2, seed=0)
-            client = DaemonClient(cluster.socket(), 60)
-            client.call(op="open", job=job, dp_rank=0, token=token)
-            client.call(op="get", step=0)
-            t = time.perf_counter()
-            for _ in range(500):
+            def control_rtt_us() -> float:
+                """One worker↔daemon round trip for a step already cached (the per-batch control cost)."""
+                from trainer_client._daemon_client import DaemonClient
+
+                job = f"rtt-{run_id}-{next(runs)}"
+                _create_job(ds.url, token, job, args.batch, 2, seed=0)
+                client = DaemonClient(cluster.socket(), 60)
+                client.call(op="open", job=job, dp_rank=0, token=token)
                 client.call(op="get", step=0)
-            elapsed = time.perf_counter() - t
-            client.close()
-            return elapsed / 500 * 1e6
+                t = time.perf_counter()
+                for _ in range(500):
+                    client.call(op="get", step=0)
+                elapsed = time.perf_counter() - t
+                client.close()
+                return elapsed / 500 * 1e6
 
-        figures["node_cache_read_gbps"] = repeat(cached_read, args.repeats)
-        figures["control_rtt_us"] = repeat(control_rtt_us, args.repeats)
-        figures["end_to_end_gbps"] = repeat(end_to_end, args.repeats)
+            figures[f"node_cache_read{prefix}_gbps"] = repeat(cached_read, args.repeats)
+            if not only_cached:
+                figures["control_rtt_us"] = repeat(control_rtt_us, args.repeats)
+                figures["end_to_end_gbps"] = repeat(end_to_end, args.repeats)
+
+    with _huge_tmpfs(args.work / "shm-huge", budget_mb + 64, args.huge) as huge:
+        shm_pages = "2 MiB (tmpfs huge=within_size)" if huge else "4 KiB (/dev/shm)"
+        print(f"node cache root: {shm_pages}")
+        node_figures(huge or Path("/dev/shm"))
+    if huge:  # the same cached reads from a daemon on /dev/shm: what the page size is worth
+        node_figures(Path("/dev/shm"), "_4k_pages", only_cached=True)
 
     from bench import _data_baselines as peers
 
@@ -249,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "mosaic_streaming_gbps" in f:
         checks["node_cache_read_vs_mosaic"] = {"ratio": ratio(f["node_cache_read_gbps"], f["mosaic_streaming_gbps"]), "target": "> 1"}
         checks["end_to_end_vs_mosaic"] = {"ratio": ratio(f["end_to_end_gbps"], f["mosaic_streaming_gbps"]), "target": "> 1"}
-    config = {"gib": args.gib, "rows": rows, "seq": args.seq, "batch": args.batch, "step_bytes": step_bytes,
+    config = {"shm_pages": shm_pages, "gib": args.gib, "rows": rows, "seq": args.seq, "batch": args.batch, "step_bytes": step_bytes,
               "steps": args.steps, "cached_steps": args.cached_steps, "repeats": args.repeats, "peer_rows": args.steps * args.batch}
     out = write_results(args.out, figures, config, checks, args.results_dir)
 
@@ -258,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("memcpy_gbps", f["memcpy_gbps"], "(machine limit)"),
         ("loopback_tcp_gbps", f["loopback_tcp_gbps"], "(machine limit)"),
         ("node_cache_read_gbps", f["node_cache_read_gbps"], f"{ratio(f['node_cache_read_gbps'], base):.2f} x memcpy (target >= 0.5)"),
+        *([("node_cache_read_4k_pages_gbps", f["node_cache_read_4k_pages_gbps"], f"{ratio(f['node_cache_read_4k_pages_gbps'], base):.2f} x memcpy (cache root on /dev/shm)")] if "node_cache_read_4k_pages_gbps" in f else []),
         ("end_to_end_gbps", f["end_to_end_gbps"], f"{ratio(f['end_to_end_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (target >= 0.7)"),
         ("control_rtt_us (microseconds)", f["control_rtt_us"], "per batch, worker <-> daemon, Unix socket"),
         *[(k, v, "(baseline)") for k, v in f.items() if k.startswith("torch_dataloader_local_") and "w_" in k],
@@ -268,6 +287,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bar_chart(args.results_dir / f"{args.out}.png", [(k, v) for k, v in f.items() if k.endswith("_gbps") and k != "torch_dataloader_local_gbps"], "GB/s (median, min-max)", "ffplane data path vs machine limits and peers")
     print(f"wrote {out}")
     return {"figures": figures, "targets": checks}
+
+
+@contextmanager
+def _huge_tmpfs(where: Path, size_mb: int, mode: str) -> Iterator[Path | None]:
+    """A tmpfs mounted ``huge=within_size`` at ``where`` for the run (None if not possible)."""
+    if mode == "off":
+        yield None
+        return
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,huge=within_size", "tmpfs", str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"cannot mount a huge-page tmpfs ({done.stderr.strip()}); measuring on /dev/shm")
+        yield None
+        return
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def _subset(shards: list[str], rows: int, work: Path) -> list[str]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -92,6 +93,10 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             raise HTTPException(413, f"request body of {size} bytes exceeds the limit of {config.max_body_bytes}")
 
     needs_token = [Depends(bounded), Depends(auth)]
+    # Batches are encoded on one thread, not the request thread pool: with a thread per
+    # concurrent request the GIL changed hands ~250 times per 4 MiB step (futex storm, 2.6 ms of
+    # system time per step); see docs/decisions.md "Data server: one encoder thread".
+    encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")
 
     async def sweep() -> None:
         due = time.monotonic()
@@ -115,6 +120,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         if udp is not None:
             udp.close()
         sweeper.cancel()
+        encoder.shutdown(wait=True, cancel_futures=True)
         catalog.close()
 
     app = FastAPI(title="ffplane dataserver", version="0.1.0", lifespan=lifespan)
@@ -210,7 +216,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         responses={200: {"content": {MEDIA_TYPE: {}}}},
         dependencies=needs_token,
     )
-    def stream_batches(
+    async def stream_batches(
         name: str,
         dp_rank: Annotated[int, Query(ge=0)],
         start: Annotated[int, Query(ge=0)],
@@ -222,20 +228,23 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             raise HTTPException(413, f"count={count} exceeds the limit of {config.max_steps_per_request} steps per request")
         for step in range(start, start + count):
             check_tid(job, dp_rank, step)
-        dataset = catalog.get(job.spec.dataset)
+        loop = asyncio.get_running_loop()
+        dataset = await loop.run_in_executor(encoder, catalog.get, job.spec.dataset)
         steps = range(start, start + count)
 
         headers = {"X-FFplane-Steps": f"{start}-{start + count - 1}"}
         if count <= _WHOLE_BODY_STEPS:
             # Few steps: one body with a Content-Length. Chunked streaming costs a thread hop and
             # a chunk header per piece, and measured ~2x slower for single 4 MiB steps.
-            whole = WholeBody(list(encode_steps(dataset, job.planner, dp_rank, steps)), MEDIA_TYPE, headers)
+            parts = await loop.run_in_executor(encoder, lambda: list(encode_steps(dataset, job.planner, dp_rank, steps)))
+            whole = WholeBody(parts, MEDIA_TYPE, headers)
             metrics.bytes.labels(name).inc(whole.nbytes)
             metrics.steps.labels(name).inc(count)
             return whole
 
-        def body() -> Iterator[bytes | memoryview]:
-            for chunk in encode_steps(dataset, job.planner, dp_rank, steps):
+        async def body() -> AsyncIterator[bytes | memoryview]:
+            chunks = encode_steps(dataset, job.planner, dp_rank, steps)
+            while (chunk := await loop.run_in_executor(encoder, next, chunks, None)) is not None:
                 metrics.bytes.labels(name).inc(len(chunk))
                 yield chunk
             metrics.steps.labels(name).inc(count)

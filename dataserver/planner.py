@@ -20,6 +20,10 @@ import numpy as np
 from dataserver._permutation import FeistelPermutation, derive_key
 
 
+_BLOCK = 1 << 15  # positions permuted per call (256 KiB of indices)
+_BLOCKS_KEPT = 8  # per planner: 2 MiB at most
+
+
 @dataclass(frozen=True)
 class Generation:
     """A segment of the plan with a fixed layout, starting at ``start_step``."""
@@ -69,6 +73,7 @@ class Planner:
     generations: list[Generation]
     _start_pos: list[int] = field(init=False, repr=False)
     _perms: dict[int, FeistelPermutation] = field(init=False, repr=False, default_factory=dict)
+    _blocks: dict[tuple[int, int], np.ndarray] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -125,9 +130,30 @@ class Planner:
         first = step_pos + dp_rank * gen.batch_per_rank
         positions = np.arange(first, first + gen.batch_per_rank, dtype=np.int64)
         epochs = positions // self.num_samples
-        offsets = positions - epochs * self.num_samples
         indices = np.empty_like(positions)
-        for epoch in np.unique(epochs):
-            sel = epochs == epoch
-            indices[sel] = self._perm(int(epoch))(offsets[sel])
+        done = 0
+        while done < len(positions):
+            epoch, offset = divmod(first + done, self.num_samples)
+            block = self._block(epoch, offset // _BLOCK)
+            at = offset % _BLOCK
+            take = min(len(positions) - done, len(block) - at)
+            indices[done : done + take] = block[at : at + take]
+            done += take
         return StepPlan(step=step, dp_rank=dp_rank, generation=gen, indices=indices, epochs=epochs)
+
+    def _block(self, epoch: int, block: int) -> np.ndarray:
+        """Permuted indices of offsets ``[block * _BLOCK, (block + 1) * _BLOCK)`` of ``epoch``.
+
+        Computed a block at a time and kept (a few, bounded): readers move forward through the
+        stream, and one vectorised call over 32k positions costs about what 512 did one step at
+        a time (numpy's per-call overhead dominated the plan of a 4 MiB step: 0.8 ms).
+        """
+        key = (epoch, block)
+        found = self._blocks.get(key)
+        if found is None:
+            lo = block * _BLOCK
+            found = self._perm(epoch)(np.arange(lo, min(lo + _BLOCK, self.num_samples), dtype=np.int64))
+            if len(self._blocks) >= _BLOCKS_KEPT:
+                self._blocks.pop(next(iter(self._blocks)), None)
+            self._blocks[key] = found
+        return found

@@ -19,6 +19,7 @@ from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from statestore import shm
 from statestore.checksum import streaming_checksum
 from statestore.index import Index
 from statestore.slots import SlotError
@@ -117,7 +118,11 @@ class ReplicaStore:
                 )
             rel = f"{job}/replica/{role}/{step:012d}"
             (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
-            (self.root / f"{rel}.part").write_bytes(b"")
+            fd = os.open(self.root / f"{rel}.part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                shm.presize(fd, nbytes)
+            finally:
+                os.close(fd)
             inc = _Incoming(Replica(job, role, step, f"{rel}.bin", nbytes, digest, header, source, kind))
             self._incoming[key] = inc
         return inc.received

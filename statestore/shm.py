@@ -10,6 +10,11 @@ Peers break on three things, so this module owns them:
   with a lock, so every temporary file found then is stale);
 * the tmpfs must have room for the configured budget, checked before anything is written, because
   running out later surfaces as SIGBUS in a reader rather than as an error.
+
+Page size matters too: a reader maps every cached step afresh, and on 4 KiB pages populating a
+4 MiB mapping costs about as much as copying it. On a tmpfs mounted ``huge=within_size`` the
+kernel backs a file with 2 MiB pages where the file already covers them, so writers set a file's
+final size before writing it (``presize``); ``huge_pages`` tells the daemon which kind it has.
 """
 
 from __future__ import annotations
@@ -49,6 +54,36 @@ def check_room(root: Path, budget_bytes: int, already_ours: int = 0) -> None:
             "(Docker's default /dev/shm is 64 MB: run with --shm-size=8g, or in Kubernetes mount an "
             "emptyDir with medium: Memory and a sizeLimit)"
         )
+
+
+def presize(fd: int, size: int) -> None:
+    """Give a file about to be written its final size, so a ``huge=within_size`` tmpfs backs it
+    with huge pages (appending writes would see a short file and get 4 KiB pages)."""
+    if size > 0:
+        os.ftruncate(fd, size)
+
+
+def huge_pages(root: Path) -> str:
+    """The ``huge=`` mount option of the tmpfs holding ``root`` (``never`` if none or not tmpfs)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return "never"
+    best, option = -1, "never"
+    target = str(root.resolve())
+    for line in lines:
+        fields = line.split()
+        try:
+            sep = fields.index("-")
+        except ValueError:
+            continue
+        mount_point, fs_type, super_opts = fields[4], fields[sep + 1], fields[sep + 3] if len(fields) > sep + 3 else ""
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) > best:
+            best = len(mount_point)
+            opts = dict(o.split("=", 1) if "=" in o else (o, "") for o in super_opts.split(","))
+            option = opts.get("huge", "never") if fs_type == "tmpfs" else "never"
+    return option
 
 
 def tmp_path(final: Path) -> Path:

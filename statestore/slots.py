@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from statestore import shm
 from statestore.checksum import ALGORITHM, checksum
 from statestore.index import Index
 
@@ -272,6 +273,7 @@ def _prefault(path: Path, size: int) -> None:
     """Create ``path`` with every page of ``size`` allocated now (first touch off the save path)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
+        shm.presize(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         os.close(fd)

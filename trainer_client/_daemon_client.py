@@ -22,10 +22,28 @@ class DaemonClient:
             raise TransportError(f"no statestore daemon at {socket_path}: {exc}") from exc
         self._file = self._sock.makefile("rb")
         self.root = Path(socket_path).parent
+        self._unread = 0  # replies to requests sent with send(), read before the next call's
+
+    def send(self, **msg: Any) -> None:
+        """Send a request whose reply is read (and checked) later, before the next ``call``'s."""
+        self._write(msg)
+        self._unread += 1
 
     def call(self, **msg: Any) -> dict[str, Any]:
+        self._write(msg)
+        while self._unread:
+            self._read(msg)
+            self._unread -= 1
+        return self._read(msg)
+
+    def _write(self, msg: dict[str, Any]) -> None:
         try:
             self._sock.sendall(json.dumps(msg).encode() + b"\n")
+        except OSError as exc:
+            raise TransportError(f"daemon at {self.socket_path} went away: {exc}") from exc
+
+    def _read(self, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
             line = self._file.readline()
         except socket.timeout as exc:
             # A late answer would be read as the reply to the next request: this connection

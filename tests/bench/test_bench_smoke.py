@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from bench import data_path
@@ -17,6 +18,9 @@ def test_data_path_smoke(tmp_path: Path) -> None:
     for name in ("memcpy_gbps", "loopback_tcp_gbps", "node_cache_read_gbps", "end_to_end_gbps", "torch_dataloader_local_gbps"):
         assert saved["figures"][name]["median"] > 0, name
     assert set(out["targets"]) >= {"node_cache_read_vs_memcpy", "end_to_end_vs_loopback_tcp"}
+    if os.geteuid() == 0:  # it could mount the huge-page tmpfs, so it also measured /dev/shm
+        assert saved["config"]["shm_pages"].startswith("2 MiB")
+        assert saved["figures"]["node_cache_read_4k_pages_gbps"]["median"] > 0
 
 
 def test_checkpoint_smoke(tmp_path: Path) -> None:

@@ -6,14 +6,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests._servers import TOKEN, Proc
+from tests._servers import TOKEN, Proc, until
 from tests.conftest import create_job
 from trainer_client import DataLoader, NotFoundError, TransportError
 
@@ -209,3 +209,81 @@ def test_a_new_generation_replaces_batches_the_node_cached_under_the_old_plan(da
     got = [b["_sample_index"].tolist() for b in resumed]
     assert resumed.source == "daemon"
     assert got == [plan.plan(0, s).indices.tolist() for s in range(3, 9)]
+
+
+def _cached(daemon: Proc, steps: int) -> bool:
+    import httpx
+
+    streams = httpx.get(daemon.url + "/v1/cache").json()["streams"]
+    return bool(streams) and len(streams[0]["steps"]) >= steps
+
+
+def test_cached_steps_are_read_while_the_daemon_is_paused(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    """Published steps are mapped without waiting for the daemon's answer (it is read later):
+    a daemon stalled by a GC pause or a busy core does not stall training on data it holds."""
+    import httpx
+
+    create_job(dataserver, max_steps=12)
+    daemon = start_daemon("--window", "12")
+    loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", timeout_s=5)
+    batches = iter(loader)
+    first = next(batches)["tokens"].clone()
+    until(lambda: _cached(daemon, 12), what="12 steps cached")
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        rest = [b["tokens"].clone() for b in batches]  # an answer-per-step reader times out here
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    direct = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "absent.sock")
+    assert all(torch.equal(a, b["tokens"]) for a, b in zip([first, *rest], direct, strict=True))
+    # and the daemon still saw every position: each step counted as a hit or a miss
+    until(lambda: sum(httpx.get(daemon.url + "/v1/cache").json()["streams"][0][k] for k in ("hits", "misses")) == 12, what="12 reads counted")
+    loader.close()
+
+
+@pytest.fixture
+def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs mounted ``huge=within_size`` (the recommended cache root), unmounted after."""
+    where = tmp_path / "huge"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,huge=within_size", "tmpfs", str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _pmd_mapped_kib(path: Path) -> int:
+    """KiB of ``path`` this process maps with 2 MiB page-table entries, after reading it all."""
+    import mmap
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        sum(mm[i] for i in range(0, len(mm), 4096))
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        at = next(i for i, line in enumerate(lines) if line.endswith(str(path)))
+        return sum(int(line.split()[1]) for line in lines[at + 1 : at + 30] if line.startswith(("ShmemPmdMapped:", "FilePmdMapped:")))
+    finally:
+        mm.close()
+
+
+def test_cached_steps_use_huge_pages_on_a_huge_tmpfs(tmp_path: Path, data_dir: Path, dataserver: Proc, start_daemon: Callable[..., Proc], huge_tmpfs: Path) -> None:
+    import httpx
+
+    from dataserver.ingest import IngestConfig, ingest
+    from tests.conftest import write_token_parquet
+
+    write_token_parquet(tmp_path / "wide.parquet", 64, seq_len=16384)  # 128 KiB rows
+    ingest(IngestConfig([tmp_path / "wide.parquet"], data_dir / "wide", progress=False))
+    create_job(dataserver, dataset="wide", dp=1, batch_per_rank=24, max_steps=4)  # 3 MiB steps
+    root = huge_tmpfs / "ffplane"
+    daemon = start_daemon("--budget-mb", "48", root=root)
+    assert httpx.get(daemon.url + "/v1/cache").json()["huge_pages"] == "within_size"
+    loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=root / "daemon.sock")
+    assert len([b["tokens"].sum() for b in loader]) == 4
+    step = root / "j1" / "data" / "0" / "000000000003.arrow"  # the last two read are kept
+    assert _pmd_mapped_kib(step) >= 2048, "the cached step is on 4 KiB pages: was it written without its final size first?"
+    loader.close()
