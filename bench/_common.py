@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +65,22 @@ def bar_chart(path: Path, rows: list[tuple[str, dict[str, Any]]], ylabel: str, t
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+@contextmanager
+def huge_tmpfs(where: Path, size_mb: int, mode: str) -> Iterator[Path | None]:
+    """A tmpfs mounted ``huge=within_size`` at ``where`` for the run (None if not possible):
+    the recommended node-daemon root (docs/deployment.md)."""
+    if mode == "off":
+        yield None
+        return
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,huge=within_size", "tmpfs", str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"cannot mount a huge-page tmpfs ({done.stderr.strip()}); measuring on /dev/shm")
+        yield None
+        return
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

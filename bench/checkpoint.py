@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, bar_chart, ratio, repeat, write_results  # noqa: E402
+from bench._common import RESULTS, bar_chart, huge_tmpfs, ratio, repeat, write_results  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
 from trainer_client.local_cluster import LocalCluster  # noqa: E402
 
@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sizes-mb", default="64,512,2048")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-dlrover", action="store_true")
+    p.add_argument("--huge", choices=["auto", "off"], default="auto",
+                   help="auto: the daemon's root on a tmpfs mounted huge=within_size (needs root; the recommended "
+                        "deployment, docs/deployment.md); off: /dev/shm")
     p.add_argument("--out", default="checkpoint")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -189,14 +192,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ffplane-ckpt-bench-", dir="/tmp") as tmp:
         work = Path(tmp)
         (work / "data").mkdir()
-        with LocalCluster(work, work / "data", secrets.token_hex(16)) as cluster:
-            cluster.start_dataserver("--log-level", "warning")
-            budget_mb = 3 * sum(sizes) * 11 // 10 >> 20  # every size's job keeps its slots
-            cluster.start_daemon("--log-level", "warning", budget_mb=max(budget_mb, 256))
+        # one daemon per size, its root removed after: a role keeps 4 pre-faulted slots (three
+        # committed versions and the one being written), 8 GiB for the 2 GiB state alone
+        budget_mb = max(4 * max(sizes) * 11 // 10 >> 20, 256)
+        with huge_tmpfs(work / "shm-huge", budget_mb + 64, args.huge) as huge:
+            shm_pages = "2 MiB (tmpfs huge=within_size)" if huge else "4 KiB (/dev/shm)"
+            print(f"daemon root: {shm_pages}; the torch.save baselines write to /dev/shm")
             for size in sizes:
                 name = f"{size >> 20}MiB"
                 print(f"--- state {name}")
-                f = figures[name] = bench_size(size, cluster.socket(), args.repeats, work, not args.no_dlrover)
+                with LocalCluster(work, work / "data", secrets.token_hex(16), shm_parent=huge or Path("/dev/shm")) as cluster:
+                    cluster.start_dataserver("--log-level", "warning")
+                    cluster.start_daemon("--log-level", "warning", budget_mb=budget_mb)
+                    f = figures[name] = bench_size(size, cluster.socket(), args.repeats, work, not args.no_dlrover)
                 checks[name] = {
                     "save_block_vs_memcpy": {"ratio": ratio(f["save_block_s"], f["memcpy_s"]), "target": "<= 1.5"},
                     "torch_save_shm_vs_save_block": {"ratio": ratio(f["torch_save_shm_s"], f["save_block_s"]), "target": ">= 10"},
@@ -213,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if dist.is_initialized():  # created by the DCP baseline
         dist.destroy_process_group()
-    out = write_results(args.out, figures, {"sizes_mb": args.sizes_mb, "repeats": args.repeats, "torch_threads": 1}, checks, args.results_dir)
+    out = write_results(args.out, figures, {"sizes_mb": args.sizes_mb, "repeats": args.repeats, "torch_threads": 1, "daemon_root_pages": shm_pages}, checks, args.results_dir)
     rows = [(f"{n} {k.removesuffix('_s')}", v) for n, f in figures.items() for k, v in f.items() if isinstance(v, dict) and k in ("save_block_s", "memcpy_s", "torch_save_shm_s", "dcp_async_save_block_s", "restore_s")]
     bar_chart(args.results_dir / f"{args.out}.png", rows, "seconds (median, min-max)", "checkpoint: ffplane vs copy floor and peers")
     print(f"wrote {out}")

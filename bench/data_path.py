@@ -33,7 +33,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -44,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, bar_chart, print_table, ratio, repeat, write_results  # noqa: E402
+from bench._common import RESULTS, bar_chart, huge_tmpfs, print_table, ratio, repeat, write_results  # noqa: E402
 from dataserver.ingest import IngestConfig, ingest  # noqa: E402
 from trainer_client import DataLoader  # noqa: E402
 from trainer_client.local_cluster import LocalCluster  # noqa: E402
@@ -234,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 figures["control_rtt_us"] = repeat(control_rtt_us, args.repeats)
                 figures["end_to_end_gbps"] = repeat(end_to_end, args.repeats)
 
-    with _huge_tmpfs(args.work / "shm-huge", budget_mb + 64, args.huge) as huge:
+    with huge_tmpfs(args.work / "shm-huge", budget_mb + 64, args.huge) as huge:
         shm_pages = "2 MiB (tmpfs huge=within_size)" if huge else "4 KiB (/dev/shm)"
         print(f"node cache root: {shm_pages}")
         node_figures(huge or Path("/dev/shm"))
@@ -287,24 +286,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bar_chart(args.results_dir / f"{args.out}.png", [(k, v) for k, v in f.items() if k.endswith("_gbps") and k != "torch_dataloader_local_gbps"], "GB/s (median, min-max)", "ffplane data path vs machine limits and peers")
     print(f"wrote {out}")
     return {"figures": figures, "targets": checks}
-
-
-@contextmanager
-def _huge_tmpfs(where: Path, size_mb: int, mode: str) -> Iterator[Path | None]:
-    """A tmpfs mounted ``huge=within_size`` at ``where`` for the run (None if not possible)."""
-    if mode == "off":
-        yield None
-        return
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,huge=within_size", "tmpfs", str(where)], capture_output=True, text=True)
-    if done.returncode != 0:
-        print(f"cannot mount a huge-page tmpfs ({done.stderr.strip()}); measuring on /dev/shm")
-        yield None
-        return
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def _subset(shards: list[str], rows: int, work: Path) -> list[str]:

@@ -45,7 +45,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT()
     ddp = DDP(model)
-    ddp.register_comm_hook(None, LinkHints().ddp_comm_hook())  # STATE traffic waits for these
+    ddp.register_comm_hook(None, LinkHints().ddp_comm_hook(ddp))  # STATE traffic waits for these
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     loader = DataLoader(args.job, rank)  # batch size and shuffle: the job's, on the data server
     ckpt = Checkpointer(args.job, Layout(dp=world, dp_rank=rank))

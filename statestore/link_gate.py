@@ -37,6 +37,7 @@ from statestore.procs import alive
 log = logging.getLogger(__name__)
 HINTS_DIR = "hints"
 HINT_BYTES = 8  # one little-endian int64: how many collectives the process has in flight
+_RECHECK_S = 0.005  # a closed gate's waiters look again at least this often
 
 
 class Priority(IntEnum):
@@ -154,6 +155,8 @@ class LinkGate:
         self.enabled = config.enabled
         self._waiting = {p: 0 for p in Priority}
         self._next_free = 0.0  # token bucket: when the cap allows the next byte
+        self._wakeup: asyncio.Future[None] | None = None  # resolved when waiters should look again
+        self._watcher: asyncio.Future[None] | None = None
         self.bytes_by_priority = {p: 0 for p in Priority}
         self.own_bytes = 0
         self.paused_s = 0.0  # waiting for TRAIN (hints, interface) or a higher priority
@@ -193,7 +196,7 @@ class LinkGate:
                 if not paused:
                     paused, self.last_reason = True, reason
                     self.pauses += 1
-                await asyncio.sleep(self.config.poll_s)
+                await self._look_again()
             if self.config.rate_cap_bytes_s > 0:
                 now = time.monotonic()
                 start = max(now, self._next_free)
@@ -203,10 +206,38 @@ class LinkGate:
                     await asyncio.sleep(start - now)
         finally:
             self._waiting[priority] -= 1
+            if any(self._waiting.values()):
+                self._wake()  # lower priorities may go now
         if paused:
             self.paused_s += time.monotonic() - started
         self.bytes_by_priority[priority] += nbytes
         self.own_bytes += nbytes
+
+    async def _look_again(self) -> None:
+        """Wait until a closed gate is worth asking again. One watcher task polls TRAIN's signals
+        for all waiters: each waiter polling on its own every ``poll_s`` cost the daemon most of
+        a core with a few fetches and pushes held while collectives ran (measured: the example
+        job fell to 78 steps/min from 1,400)."""
+        if self._wakeup is None or self._wakeup.done():
+            self._wakeup = asyncio.get_running_loop().create_future()
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch())
+        await asyncio.shield(self._wakeup)
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    async def _watch(self) -> None:
+        """While anyone waits: wake the waiters when TRAIN's signals clear, and every
+        ``_RECHECK_S`` regardless (a transfer can turn critical while it waits)."""
+        last = time.monotonic()
+        while any(self._waiting.values()):
+            await asyncio.sleep(self.config.poll_s)
+            now = time.monotonic()
+            if not self.closed_because(Priority.REPLICATE) or now - last >= _RECHECK_S:
+                last = now
+                self._wake()
 
     def describe(self) -> dict[str, Any]:
         reason = self.closed_because()
@@ -230,4 +261,6 @@ class LinkGate:
         }
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         self.hints.close()

@@ -14,7 +14,7 @@ import logging
 import mmap
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -181,7 +181,7 @@ class ReplicaStore:
             self._forget_map(r.path)  # a replaced version's old mapping must not serve its bytes
             os.rename(part, self.root / r.path)
             r.complete_at = time.time()
-            self.index.put(_key(job, role, step), asdict(r))
+            self.index.put(_key(job, role, step), dict(vars(r)))  # shallow: the header is not copied
             versions = self.complete.setdefault((job, role), {})
             versions[step] = r
             # as with slots: a "future" the primary rewound from (it restored an older step and

@@ -81,8 +81,8 @@ def huge_pages(root: Path) -> str:
         inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
         if inside and len(mount_point) > best:
             best = len(mount_point)
-            opts = dict(o.split("=", 1) if "=" in o else (o, "") for o in super_opts.split(","))
-            option = opts.get("huge", "never") if fs_type == "tmpfs" else "never"
+            huge = [o.removeprefix("huge=") for o in super_opts.split(",") if o.startswith("huge=")]
+            option = huge[0] if fs_type == "tmpfs" and huge else "never"
     return option
 
 

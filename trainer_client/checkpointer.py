@@ -33,7 +33,7 @@ from trainer_client.torchrun import check_restartable
 from trainer_client.errors import CorruptError, FFPlaneError, FFTimeoutError, NotFoundError, TransportError
 from trainer_client.pagemap import populate_read
 from trainer_client.razor import Layout, slice_of
-from trainer_client.state_codec import decode, encode
+from trainer_client.state_codec import Encoded, decode, encode
 
 log = logging.getLogger(__name__)
 _MADV_POPULATE_WRITE = 23
@@ -180,7 +180,7 @@ class Checkpointer:
                 pass
             raise
         self.last_save_block_s = time.perf_counter() - started
-        header = enc.header() | {
+        header = {
             "role": self.role,
             "layout": asdict(self.layout),
             "layout_roles": self.layout.all_roles(),
@@ -189,7 +189,9 @@ class Checkpointer:
             "unique_nbytes": private + replicated,
             "lineage": self.lineage,
         }
-        self._inflight = self._pool.submit(self._commit, step, slot["slot"], nbytes, header, self.last_save_block_s)
+        # The tensor part of the header is built on the commit thread: the training thread's
+        # share of a save is the encode walk, the begin round trip and the copy.
+        self._inflight = self._pool.submit(self._commit, step, slot["slot"], nbytes, enc, header, self.last_save_block_s)
         self.saves += 1
         emit("saved", step=step)
         return True
@@ -230,7 +232,8 @@ class Checkpointer:
                     raise
                 time.sleep(0.01)
 
-    def _commit(self, step: int, slot: str, nbytes: int, header: dict[str, Any], block_s: float) -> str:
+    def _commit(self, step: int, slot: str, nbytes: int, enc: Encoded, extra: dict[str, Any], block_s: float) -> str:
+        header = enc.header() | extra
         try:
             reply = self._call(op="commit", job=self.job, role=self.role, step=step, slot=slot, nbytes=nbytes, header=header, save_block_s=block_s)
         except TransportError as exc:

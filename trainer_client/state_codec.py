@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,10 +63,15 @@ class Encoded:
     stream_nbytes: dict[str, int] = field(default_factory=lambda: {"replicated": 0, "private": 0})
 
     def header(self) -> dict[str, Any]:
+        # Field by field, not dataclasses.asdict: asdict deep-copies recursively and cost 1.8 ms
+        # per save for an AdamW state of ~60 tensors (65 % of the save's Python time).
         return {
             "tree": self.tree,
-            "tensors": [asdict(t) for t in self.tensors],
-            "storages": [asdict(s) for s in self.storages],
+            "tensors": [
+                {"storage": t.storage, "dtype": t.dtype, "shape": t.shape, "stride": t.stride, "storage_offset": t.storage_offset, "requires_grad": t.requires_grad}
+                for t in self.tensors
+            ],
+            "storages": [{"stream": s.stream, "offset": s.offset, "nbytes": s.nbytes} for s in self.storages],
             "stream_nbytes": dict(self.stream_nbytes),
         }
 

@@ -51,7 +51,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 32), torch.nn.Flatten(), torch.nn.Linear(32 * 15, VOCAB))
     ddp = DDP(model)
     hints = LinkHints()
-    ddp.register_comm_hook(None, hints.ddp_comm_hook())
+    ddp.register_comm_hook(None, hints.ddp_comm_hook(ddp))
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     loader = DataLoader(job, rank)
     ck = Checkpointer(job, Layout(dp=world, dp_rank=rank))

@@ -1,0 +1,99 @@
+"""What ffplane adds to a training step, and where it goes: the example GPT job (2 nodes x 2
+workers, one torchrun per node, CPU/gloo) failure-free, steps per minute, beside the plain DDP
+script without checkpoints, in the same run.
+
+    python bench/step_cost.py                 # 200 steps x 3 repeats per variant (~8 min)
+    python bench/step_cost.py --steps 30 --repeats 1 --variants plain,ffplane   # a smoke
+
+Variants: ``plain`` (examples/train_plain.py, no checkpoint), ``ffplane`` (as shipped: a save
+every step, the comm hook with one all-reduce per step in parameter order), and ablations of it
+(bench/_ablate_job.py): ``per_tensor`` (the hook without the model: one all-reduce per gradient,
+the previous default), ``buckets`` (DDP's bucket all-reduce: fast, not bitwise-stable across a
+restore with > 2 ranks), ``no_hook`` (no link hints, no wait for the last save's replica),
+``no_save``. A step here is tiny (~25 ms of compute on 4 workers sharing 2 cores), so fixed
+per-step costs show at their worst; real steps are 100-1000x longer.
+
+Writes bench/results/step_cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import RESULTS, print_table, ratio, write_results  # noqa: E402
+from trainer_client.job_runner import LocalJobs  # noqa: E402
+
+PLAIN = Path(__file__).resolve().parent / "_plain_job.py"
+ABLATE = Path(__file__).resolve().parent / "_ablate_job.py"
+VARIANTS = ("plain", "ffplane", "per_tensor", "buckets", "no_hook", "no_save")
+
+
+def steps_per_min(jobs: LocalJobs, variant: str, job: str) -> float:
+    """One failure-free run of ``jobs.steps`` steps; steps per minute from the first step done
+    to the last (start-up excluded)."""
+    if variant == "plain":
+        jobs.script = PLAIN
+        jobs.script_args = ["--data", str(jobs.work / "tokens.parquet"), "--save-every", str(10**9)]
+    else:
+        jobs.script, jobs.script_args = ABLATE, []
+        os.environ["FFPLANE_ABLATE"] = "" if variant == "ffplane" else variant
+        jobs.post("/v1/jobs", {"name": job, "dataset": "tokens", "dp": 4, "batch_per_rank": 8, "seed": 0, "max_steps": jobs.steps})
+    nodes = jobs.launch_job(job, [0, 1])
+    jobs.wait_done(nodes, timeout_s=600)
+    done = [e["t"] for e in jobs.events(job) if e["kind"] == "saved"]
+    if len(done) < 4 * jobs.steps:
+        raise RuntimeError(f"{variant}: {len(done)} step events for 4 ranks x {jobs.steps} steps; logs in {jobs.work}")
+    firsts = sorted(done)[:4]  # every rank's first step done: the run is going
+    return (jobs.steps - 1) / ((max(done) - max(firsts)) / 60)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    ap.add_argument("--out", default="step_cost")
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown or "plain" not in variants:
+        raise SystemExit(f"--variants must include plain and come from {VARIANTS}; got {sorted(unknown) or variants}")
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    work = Path(tempfile.mkdtemp(prefix="ffplane-step-cost-"))
+    jobs = LocalJobs(work, args.steps)
+    try:
+        jobs.prepare([], rows=8192)
+        runs = 0
+        for r in range(args.repeats):
+            for v in variants[r % len(variants):] + variants[: r % len(variants)]:  # rotate: drift hits all alike
+                runs += 1
+                t = time.monotonic()
+                samples[v].append(steps_per_min(jobs, v, f"run{runs}"))
+                print(f"repeat {r} {v:11s} {samples[v][-1]:7.1f} steps/min  ({time.monotonic() - t:.0f} s)", flush=True)
+    finally:
+        os.environ.pop("FFPLANE_ABLATE", None)
+        jobs.close()
+        shutil.rmtree(work, ignore_errors=True)
+    figures = {f"steps_per_min_{v}": {"min": min(s), "median": statistics.median(s), "max": max(s), "samples": s} for v, s in samples.items()}
+    base = figures["steps_per_min_plain"]
+    checks = {f"{v}_vs_plain": {"ratio": ratio(figures[f"steps_per_min_{v}"], base), "target": "(reported)"} for v in variants if v != "plain"}
+    config = {"nodes": 2, "workers_per_node": 2, "steps": args.steps, "repeats": args.repeats, "launcher": "torchrun (c10d, one per node)"}
+    path = write_results(args.out, figures, config, checks, args.results_dir)
+    print_table([(k, v, "(baseline)" if k.endswith("plain") else f"{ratio(v, base):.2f} x plain") for k, v in figures.items()], "steps/min")
+    print(f"wrote {path}")
+    return {"figures": figures, "targets": checks}
+
+
+if __name__ == "__main__":
+    main()
