@@ -226,6 +226,8 @@ class DataCache:
             stream.hits += 1
             return cached, True
         stream.misses += 1
+        if self.gate is not None and step in stream.inflight:
+            self.gate.recheck()  # its fetch may be held at the gate as a prefetch: now it is needed
         started = time.perf_counter()
         try:
             while True:
@@ -333,8 +335,11 @@ class DataCache:
 
     async def _admit(self, stream: Stream, step: int, nbytes: int) -> None:
         assert self.gate is not None
-        needed = stream.readers and step <= max(stream.readers.values()) + 1
-        await self.gate.acquire(Priority.NEXT_BATCH if needed else Priority.PREFETCH, nbytes)
+
+        def needed() -> bool:  # asked again while it waits: a prefetch becomes the next batch
+            return bool(stream.readers) and step <= max(stream.readers.values()) + 1
+
+        await self.gate.acquire(Priority.NEXT_BATCH if needed() else Priority.PREFETCH, nbytes, critical=needed)
 
     def invalidate(self, stream: Stream, step: int) -> None:
         """Drop a cached step a reader found stale (planned before a new generation): this and

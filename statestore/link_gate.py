@@ -188,8 +188,11 @@ class LinkGate:
         paused = False
         try:
             while True:
-                reason = self.closed_because(priority, critical() if callable(critical) else critical)
-                if not reason and any(self._waiting[p] for p in Priority if p < priority):
+                urgent = critical() if callable(critical) else critical
+                reason = self.closed_because(priority, urgent)
+                # an urgent transfer does not queue behind higher priorities either: they may be
+                # waiting for TRAIN, and TRAIN for this transfer
+                if not reason and not urgent and any(self._waiting[p] for p in Priority if p < priority):
                     reason = "priority"
                 if not reason:
                     break
@@ -223,6 +226,10 @@ class LinkGate:
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.ensure_future(self._watch())
         await asyncio.shield(self._wakeup)
+
+    def recheck(self) -> None:
+        """Something a waiter's ``critical`` depends on changed: let every waiter look again now."""
+        self._wake()
 
     def _wake(self) -> None:
         if self._wakeup is not None and not self._wakeup.done():

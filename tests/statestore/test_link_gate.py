@@ -151,3 +151,28 @@ def test_train_traffic_the_hints_did_not_announce_closes_the_gate(tmp_path: Path
                 if p is not None and p.poll() is None:
                     p.kill()
                     p.wait()
+
+
+def test_a_prefetch_held_by_a_hint_passes_once_a_reader_needs_it(tmp_path: Path, data_dir: Path) -> None:
+    """Steps fetched ahead wait while TRAIN runs; when the reader reaches one still waiting at the
+    gate it is the batch that reader blocks on, and holding it would hold the collective that
+    holds the gate (seen as ~0.4 s stalls per step of the example job)."""
+    from tests.conftest import create_job
+    from trainer_client._daemon_client import DaemonClient
+
+    with LocalCluster(tmp_path, data_dir, TOKEN) as c:
+        ds = c.start_dataserver()
+        create_job(ds, max_steps=30)
+        c.start_daemon("--window", "4", budget_mb=64)
+        hints = LinkHints(c.socket(0))
+        client = DaemonClient(c.socket(0), timeout_s=10)
+        try:
+            with hints.collective():
+                client.call(op="open", job="j1", dp_rank=0, token=TOKEN)
+                client.call(op="get", step=0)  # the batch a reader waits on always passes
+                until(lambda: _get(c, "/v1/gate")["waiting"].get("prefetch", 0) > 0, what="prefetches held by the hint")
+                for step in (1, 2, 3):  # each was fetched ahead as a prefetch and held
+                    assert client.call(op="get", step=step)["ok"]
+        finally:
+            client.close()
+            hints.close()
