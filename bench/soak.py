@@ -85,6 +85,9 @@ class Soak(LocalJobs):
             self.placement[1] = new
         elif kind == "link_cut":
             d = self.placement[pos]
+            # a coordinator restarted a moment ago learns the job's nodes from their next full
+            # heartbeat; a node it does not know yet cannot be declared dead by it
+            self.until(lambda: f"n{d}" in self.status(JOB).get("ring", []), timeout_s=30)
             frozen = [nodes[pos].popen.pid, *descendants(nodes[pos].popen.pid), self.cluster.daemons[self._daemon_slot(d)].pid]  # type: ignore[union-attr]
             for pid in frozen:
                 os.kill(pid, signal.SIGSTOP)
