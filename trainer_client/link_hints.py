@@ -131,8 +131,8 @@ class LinkHints:
 class _StepReduce:
     """A DDP comm hook: every bucket of a step waits, and the last one all-reduces all of the
     step's gradients in one flat buffer laid out in the model's parameter order (one buffer per
-    dtype), so the result does not depend on DDP's bucket layout. Measured on the example job
-    (4 ranks): per-tensor collectives 314 steps/min, DDP's buckets 713."""
+    dtype), so the result does not depend on DDP's bucket layout. The example job (4 ranks,
+    bench/step_cost.py): 938 steps/min; per-tensor collectives 357; DDP's buckets 978."""
 
     def __init__(self, model: Any, mark: Callable[[int], None]) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -171,9 +171,15 @@ class _StepReduce:
             for _, g in grads:
                 by_dtype.setdefault(g.dtype, []).append(g)
             flats = [(torch.cat([g.reshape(-1) for g in gs]).div_(world), gs) for gs in by_dtype.values()]
-            self._mark(1)
+        except BaseException as exc:
+            for _, fut in waiting:
+                fut.set_exception(exc)
+            raise
+        self._mark(1)  # the link is busy until finish() runs
+        try:
             futs = [dist.all_reduce(flat, group=group, async_op=True).get_future() for flat, _ in flats]
         except BaseException as exc:
+            self._mark(-1)
             for _, fut in waiting:
                 fut.set_exception(exc)
             raise
