@@ -133,11 +133,14 @@ class Soak(LocalJobs):
             failed_at = time.time()
             self.inject(kind, nodes)
             recovered = self.progressed(nodes, saved_before + 1, failed_at, timeout_s=self.recovery_timeout_s)
-            restored = [e for e in self.events(JOB) if e["kind"] == "restored" and e["t"] >= failed_at]
+            events = self.events(JOB)
+            restored = [e for e in events if e["kind"] == "restored" and e["t"] >= failed_at]
+            # the newest step done when the failure hit (training went on while it was chosen)
+            done_before = max([saved_before, *(e["step"] for e in events if e["kind"] == "saved" and started <= e["t"] <= failed_at)])
             rec = {
-                "kind": kind, "recovered": recovered, "saved_before": saved_before,
+                "kind": kind, "recovered": recovered, "saved_before": done_before,
                 "restored_step": restored[0]["step"] if restored else None,
-                "steps_lost": saved_before - restored[0]["step"] if restored else 0,
+                "steps_lost": done_before - restored[0]["step"] if restored else 0,
                 "seconds_to_progress": round(time.time() - failed_at, 2),
             }
             self.records.append(rec)
@@ -215,7 +218,7 @@ class Soak(LocalJobs):
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--failures", type=int, default=200)
-    ap.add_argument("--steps", type=int, default=0, help="job length (default: 9 per failure + 30)")
+    ap.add_argument("--steps", type=int, default=0, help="job length (default: 11 per failure + 60)")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
@@ -226,15 +229,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(kinds) - set(KINDS)
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)}; choose from {','.join(KINDS)}")
-    steps = args.steps or 9 * args.failures + 30
+    steps = args.steps or 11 * args.failures + 60
     work = Path(tempfile.mkdtemp(prefix="ffplane-soak-"))
     soak = Soak(work, steps, args.seed)
+    ok = False
     try:
         soak.prepare([REFERENCE, JOB], rows=max(4096, 32 * (steps + 1)))
         result = soak.run(args.failures, kinds)
+        ok = True
     finally:
         soak.close()
-        if args.keep:
+        if args.keep or not ok:  # a failed soak keeps its logs, events and diagnosis
             print(f"work folder kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
