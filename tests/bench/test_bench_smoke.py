@@ -88,3 +88,12 @@ def test_recovery_smoke(tmp_path: Path) -> None:
         assert side["goodput"]["goodput"] > 0
     assert out["figures"]["ffplane"]["node loss"]["steps_lost"]["max"] <= 1
     assert (tmp_path / "recovery.json").exists()
+
+
+def test_step_cost_smoke(tmp_path: Path) -> None:
+    """bench/step_cost.py runs the plain job and the shipped one, and an ablation of it."""
+    from bench import step_cost
+
+    out = step_cost.main(["--steps", "20", "--repeats", "1", "--variants", "plain,ffplane,no_save", "--results-dir", str(tmp_path)])
+    assert all(out["figures"][f"steps_per_min_{v}"]["median"] > 0 for v in ("plain", "ffplane", "no_save"))
+    assert set(out["targets"]) == {"ffplane_vs_plain", "no_save_vs_plain"}
