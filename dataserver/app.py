@@ -95,7 +95,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     needs_token = [Depends(bounded), Depends(auth)]
     # Batches are encoded on one thread, not the request thread pool: with a thread per
     # concurrent request the GIL changed hands ~250 times per 4 MiB step (futex storm, 2.6 ms of
-    # system time per step); see docs/decisions.md "Data server: one encoder thread".
+    # system time per step); see docs/decisions.md "Data path, second pass".
     encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")
 
     async def sweep() -> None:
