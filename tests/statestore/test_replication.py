@@ -140,6 +140,37 @@ def test_losing_a_node_and_its_successor_falls_back_to_the_durable_tier(cluster:
     assert reply["source"] == "durable" and reply["step"] == 2 and "durable tier" in reply["message"] and "dp0-pp0-tp0" in reply["message"]
 
 
+def test_a_restarted_coordinator_keeps_commits_waiting_for_their_replica(cluster: LocalCluster) -> None:
+    """A restarted data server's first ring views hold only the nodes that have beaten since;
+    a commit made then must still wait until the successor holds it (found by the soak: n19
+    committed unreplicated steps in that second and was lost)."""
+    import os
+    import signal
+    import threading
+
+    _start(cluster, 2)  # n0 → n1 → n0
+    _save(cluster, 0, 0, range(1, 3))
+    until(lambda: _daemon_state(cluster, 0)["replication"]["roles"]["job/dp0-pp0-tp0"]["replicated"] == 2, what="step 2 on n1")
+    assert cluster.dataserver is not None
+    port = int(cluster.dataserver.ready["port"])  # type: ignore[call-overload]
+    n1 = cluster.daemons[1]
+    os.kill(n1.pid, signal.SIGSTOP)  # n1 cannot register with the new data server (nor take a push) yet
+    try:
+        cluster.dataserver.kill()
+        cluster.start_dataserver(port=port)
+        until(lambda: _status(cluster)["ring"] == ["n0"], what="n0 registered with the new data server")
+        resume = threading.Timer(0.5, os.kill, (n1.pid, signal.SIGCONT))
+        resume.start()
+        _save(cluster, 0, 0, range(3, 4))  # returns once step 3's commit is answered
+        # answered only once the successor held it: it was never without one
+        assert _daemon_state(cluster, 0)["replication"]["roles"]["job/dp0-pp0-tp0"] == {"committed": 3, "replicated": 3, "to": "n1"}
+        resume.join()
+    finally:
+        os.kill(n1.pid, signal.SIGCONT)
+    until(lambda: _status(cluster)["ring"] == ["n0", "n1"], what="n1 back in the ring")
+    assert _daemon_state(cluster, 0)["replication"]["commit_wait_timeouts"] == 0
+
+
 def _restorable_reply(c: LocalCluster, node: int, role: str) -> dict[str, Any]:
     from trainer_client._daemon_client import DaemonClient
 
