@@ -137,7 +137,7 @@ class LocalJobs:
                 continue
             if e["step"] == step + 1:
                 first.setdefault(e["rank"], e["t"])
-            if e["step"] == saved_before + 1:
+            if e["step"] > saved_before:  # == saved_before + 1, unless its event line was cut by the kill
                 back.setdefault(e["rank"], e["t"])
         stamps = {
             "detected": detected_at,
@@ -146,8 +146,8 @@ class LocalJobs:
             "data_ready": max(e["t"] for e in ev if e["kind"] == "data_ready"),
             "first_step": max(first.values()),
         }
-        if back:
-            stamps["caught_up"] = max(back.values())
+        # nothing was lost (restored past the newest step done) or every rank redid the lost steps
+        stamps["caught_up"] = max(back.values()) if back else stamps["first_step"]
         return {
             "failure": kind, "restored_step": step, "steps_lost": saved_before - step,
             "seconds": {k: round(v - failed_at, 3) for k, v in stamps.items()},
