@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, write_results  # noqa: E402
-from trainer_client.job_runner import EXAMPLE, STAGES, LocalJobs  # noqa: E402
+from trainer_client.job_runner import EXAMPLE, STAGES, STARTUP, LocalJobs  # noqa: E402
 from trainer_client.torchrun import TorchrunNode  # noqa: E402
 
 PLAIN = Path(__file__).resolve().parent / "_plain_job.py"
@@ -47,6 +47,7 @@ class System(LocalJobs):
     def __init__(self, work: Path, steps: int, save_every: int | None) -> None:
         super().__init__(work, steps, script=EXAMPLE if save_every is None else PLAIN)
         self.save_every = save_every
+        self.warm = save_every is None  # today's practice starts every restarted worker cold
         self.max_restarts = 1000
         self.name = "ffplane" if save_every is None else f"torch.save K={save_every}"
         self.runs = 0
@@ -167,6 +168,8 @@ def measure(system: System, repeats: int, failures: int, interval_s: float, step
             "mttr_s": _summary([t["seconds"]["first_step"] for t in ts]),
             "caught_up_s": _summary([t["seconds"]["caught_up"] for t in ts]),
             "stages_median_s": {s: statistics.median(t["seconds"][s] for t in ts) for s in (*STAGES, "caught_up")},
+            # the start-up inside "restarted → restored": torch loaded, process group + model + DDP
+            "startup_median_s": {s: statistics.median(t["seconds"][s] for t in ts) for s in STARTUP if all(s in t["seconds"] for t in ts)},
             "steps_lost": _summary([t["steps_lost"] for t in ts]),
             "timelines": ts,
         }
@@ -227,6 +230,11 @@ def _print(results: dict[str, Any]) -> None:
             ratio = fig[kind]["mttr_s"]["median"] / base[kind]["mttr_s"]["median"]
             back = fig[kind]["caught_up_s"]["median"] / base[kind]["caught_up_s"]["median"]
             print(f"{name:18s} {kind:15s}" + "".join(f"{st[s]:10.2f}s" for s in (*STAGES, "caught_up")) + f"  {fig[kind]['steps_lost']['median']:4.0f}  {ratio:5.2f}x / {back:5.2f}x")
+    print("\nworker start-up inside restarted → restored (median s after the failure):")
+    for name, fig in results.items():
+        for kind in ("worker SIGKILL", "node loss"):
+            st = fig[kind]
+            print(f"{name:18s} {kind:15s} restarted {st['stages_median_s']['restarted']:.2f}" + "".join(f", {s} {v:.2f}" for s, v in st.get("startup_median_s", {}).items()) + f", restored {st['stages_median_s']['restored']:.2f}")
     print(f"\n{'system':18s} goodput (steps/min with failures / failure-free)   vs ffplane")
     for name, fig in results.items():
         g = fig["goodput"]

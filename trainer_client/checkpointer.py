@@ -274,6 +274,7 @@ class Checkpointer:
         ``torch.distributed`` group, the ranks also take the minimum of their answers (a collective:
         every rank must call ``restore``), so every role restores the same step.
         """
+        emit("restoring")
         group = _group() if agree else None
         below: int | None = None
         while True:

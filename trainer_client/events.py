@@ -2,7 +2,8 @@
 recovery benchmark set it): one JSON line per event in ``<dir>/events-<pid>.jsonl``.
 
 Kinds: ``process_start`` (the process's start time, from /proc, emitted with the first event),
-``restored`` (step, source), ``data_ready`` (the first batch after start-up is in hand, step),
+``imported`` (the first of ``trainer_client``'s public names loaded: the interpreter and torch are), ``restoring``
+(``Checkpointer.restore`` called: the process group, model and DDP are set up), ``restored`` (step, source), ``data_ready`` (the first batch after start-up is in hand, step),
 ``saved`` (every save, step), ``batch`` (every batch served: step and an XXH3 of its bytes). Wall-clock seconds, so several processes' lines can be merged.
 """
 

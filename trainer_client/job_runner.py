@@ -7,6 +7,7 @@ workers' events (``$FFPLANE_EVENTS_DIR``). Used by ``ffplane demo``, the chaos s
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import socket
 import time
@@ -19,6 +20,8 @@ from trainer_client.torchrun import TorchrunNode
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ffplane.py"
 STAGES = ("detected", "restarted", "restored", "data_ready", "first_step")
+# inside "restarted → restored", where a worker's start-up goes (ffplane's workers only)
+STARTUP = ("imported", "restoring")
 
 
 class LocalJobs:
@@ -33,6 +36,7 @@ class LocalJobs:
         self.nodes: list[TorchrunNode] = []
         self.max_restarts = 3  # per torchrun agent
         self.script_args: list[str] = []  # besides --job/--out/--steps
+        self.warm = True  # restarted workers fork from a zygote with torch imported (warm_start)
 
     # --- set-up --------------------------------------------------------------------------
     def prepare(self, jobs: list[str], daemons: int = 2, dp: int = 4, rows: int = 4096, budget_mb: int = 512) -> None:
@@ -79,6 +83,7 @@ class LocalJobs:
         node = TorchrunNode(
             self.script, ["--job", job, "--out", str(self.work / job), "--steps", str(self.steps), *self.script_args], endpoint, job, nnodes=nnodes, nproc=self.nproc,
             log=self.work / f"{log_name}-n{daemon}.log", env=env, max_restarts=self.max_restarts, host=not any(n.running() and n.run_id == job for n in self.nodes),
+            warm_dir=Path(f"/dev/shm/ffw-{os.getpid()}-{len(self.nodes)}") if self.warm else None,  # a new node starts cold
         )
         self.nodes.append(node.start())
         return node
@@ -146,6 +151,9 @@ class LocalJobs:
             "data_ready": max(e["t"] for e in ev if e["kind"] == "data_ready"),
             "first_step": max(first.values()),
         }
+        for kind in STARTUP:
+            if any(e["kind"] == kind for e in ev):
+                stamps[kind] = max(e["t"] for e in ev if e["kind"] == kind)
         # nothing was lost (restored past the newest step done) or every rank redid the lost steps
         stamps["caught_up"] = max(back.values()) if back else stamps["first_step"]
         return {

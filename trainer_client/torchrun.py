@@ -76,6 +76,9 @@ class TorchrunNode:
     env: dict[str, str] = field(default_factory=dict)
     host: bool = False
     max_restarts: int = 3
+    # Restarted workers fork from a zygote that has torch imported (trainer_client.warm_start),
+    # which keeps its socket here: one folder per node, so a replacement node starts cold.
+    warm_dir: Path | None = None
     popen: subprocess.Popen[bytes] | None = None
 
     def argv(self) -> list[str]:
@@ -86,11 +89,14 @@ class TorchrunNode:
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id, "--rdzv-conf", conf,
             "--local-addr", "127.0.0.1", "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.2",
-            str(self.script), *self.args,
+            *(["-m", "trainer_client.warm_start"] if self.warm_dir else []), str(self.script), *self.args,
         ]
 
     def start(self) -> TorchrunNode:
         env = {**os.environ, **FRESH_STORE_ENV, "OMP_NUM_THREADS": "1", **self.env}
+        if self.warm_dir:
+            self.warm_dir.mkdir(parents=True, exist_ok=True)
+            env["FFPLANE_WARM_DIR"] = str(self.warm_dir)
         with open(self.log, "ab") as log:
             self.popen = subprocess.Popen(self.argv(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
@@ -100,6 +106,10 @@ class TorchrunNode:
         if self.popen is not None:
             kill_tree(self.popen.pid)
             self.popen.wait()
+        if self.warm_dir is not None:  # the zygote too (its own session: not below the agent)
+            from trainer_client.warm_start import stop
+
+            stop(self.warm_dir)
 
     def wait(self, timeout_s: float) -> int:
         assert self.popen is not None, "start() first"

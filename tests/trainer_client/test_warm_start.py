@@ -1,0 +1,138 @@
+"""Warm starts: a worker launched through ``trainer_client.warm_start`` runs in a child of a zygote
+that has torch imported, and looks to its launcher exactly like the process it replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests._servers import until
+from trainer_client.warm_start import socket_path, stop
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = """
+import json, os, sys, time
+print(json.dumps({"argv": sys.argv, "x": os.environ.get("X"), "cwd": os.getcwd(), "pid": os.getpid(),
+                  "ppid": os.getppid(), "torch_preloaded": "torch" in sys.modules}), flush=True)
+if sys.argv[1] == "sleep":
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def warm(tmp_path: Path) -> Iterator[dict[str, str]]:
+    directory = Path(f"/dev/shm/ffw-test-{os.getpid()}")  # short: socket paths have at most 107 bytes
+    (tmp_path / "job.py").write_text(SCRIPT)
+    env = {**os.environ, "FFPLANE_WARM_DIR": str(directory), "PYTHONPATH": str(REPO), "FFPLANE_WARM_IDLE_S": "120"}
+    try:
+        yield env
+    finally:
+        stop(directory)  # the zygote and any child, by PID; the folder removed
+    assert not directory.exists()
+
+
+def _launch(tmp_path: Path, env: dict[str, str], *args: str, x: str = "") -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "trainer_client.warm_start", "job.py", *args], cwd=tmp_path,
+                            env={**env, "X": x}, stdout=subprocess.PIPE, text=True)
+
+
+def _zygote(env: dict[str, str]) -> int:
+    pidfile = Path(env["FFPLANE_WARM_DIR"]) / socket_path().with_suffix(".pid").name
+    return int(until(lambda: pidfile.exists() and pidfile.read_text(), what="the zygote's pid file"))
+
+
+def test_restarts_fork_from_the_zygote_with_their_own_argv_env_cwd_and_status(tmp_path: Path, warm: dict[str, str]) -> None:
+    os.environ["FFPLANE_WARM_DIR"] = warm["FFPLANE_WARM_DIR"]  # for socket_path() in this process
+    try:
+        first = _launch(tmp_path, warm, "3", x="one")
+        out, _ = first.communicate(timeout=120)
+        cold = json.loads(out)
+        assert first.returncode == 3 and cold["pid"] == first.pid  # ran in the launched process itself
+        zygote = _zygote(warm)
+        until(lambda: _answers(warm), timeout_s=120, what="the zygote listening")
+
+        second = _launch(tmp_path, warm, "4", x="two")
+        out, _ = second.communicate(timeout=60)
+        got = json.loads(out)
+        assert second.returncode == 4
+        assert got["ppid"] == zygote and got["pid"] != second.pid and got["torch_preloaded"]
+        assert got["x"] == "two" and got["argv"] == ["job.py", "4"] and got["cwd"] == str(tmp_path)
+    finally:
+        del os.environ["FFPLANE_WARM_DIR"]
+
+
+def test_signals_pass_both_ways(tmp_path: Path, warm: dict[str, str]) -> None:
+    os.environ["FFPLANE_WARM_DIR"] = warm["FFPLANE_WARM_DIR"]
+    try:
+        _launch(tmp_path, warm, "0").communicate(timeout=120)
+        zygote = _zygote(warm)
+        until(lambda: _answers(warm), timeout_s=120, what="the zygote listening")
+
+        # the worker SIGKILLed: its stand-in dies of SIGKILL too (what torchrun watches)
+        p = _launch(tmp_path, warm, "sleep")
+        child = json.loads(p.stdout.readline())["pid"]  # type: ignore[union-attr]
+        os.kill(child, signal.SIGKILL)
+        assert p.wait(timeout=30) == -signal.SIGKILL
+
+        # torchrun stopping a worker: SIGTERM reaches the child, which dies of it
+        p = _launch(tmp_path, warm, "sleep")
+        child = json.loads(p.stdout.readline())["pid"]  # type: ignore[union-attr]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == -signal.SIGTERM
+        until(lambda: not _alive(child), what="the child gone")
+
+        # the stand-in SIGKILLed (no forwarding possible): the zygote ends the child
+        p = _launch(tmp_path, warm, "sleep")
+        child = json.loads(p.stdout.readline())["pid"]  # type: ignore[union-attr]
+        p.kill()
+        p.wait(timeout=30)
+        until(lambda: not _alive(child), what="the orphaned child ended by the zygote")
+        assert _alive(zygote)
+    finally:
+        del os.environ["FFPLANE_WARM_DIR"]
+
+
+def test_a_malformed_request_gets_an_error_and_the_zygote_serves_on(tmp_path: Path, warm: dict[str, str]) -> None:
+    os.environ["FFPLANE_WARM_DIR"] = warm["FFPLANE_WARM_DIR"]
+    try:
+        _launch(tmp_path, warm, "0").communicate(timeout=120)
+        until(lambda: _answers(warm), timeout_s=120, what="the zygote listening")
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(socket_path()))
+            body = b'{"argv": []}'
+            socket.send_fds(s, [len(body).to_bytes(4, "big") + body], [0, 1, 2])
+            reply = json.loads(s.makefile("rb").readline())
+        assert "argv" in reply["error"]
+        p = _launch(tmp_path, warm, "5")
+        p.communicate(timeout=60)
+        assert p.returncode == 5
+    finally:
+        del os.environ["FFPLANE_WARM_DIR"]
+
+
+def _answers(env: dict[str, str]) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(socket_path()))
+        except OSError:
+            return False
+    time.sleep(0.05)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -1,0 +1,378 @@
+"""Warm worker starts: a restarted worker forks from an interpreter that has already imported torch.
+
+After a failure torchrun restarts every worker of every node at once, and each new process first
+spends about 1.3 s of CPU importing torch — on a two-core node with four workers that is most of
+the time between the failure and the restored state. Launch the script through this module:
+
+    torchrun --nnodes ... --max-restarts 100 -m trainer_client.warm_start train.py --its --args
+
+The first worker on a node runs ``train.py`` as usual and, beside it, starts a *zygote*: a process
+in a session of its own that imports torch once and waits on a local socket. A later worker
+process (a torchrun restart) connects to it, hands over its argv, environment, working directory
+and standard streams (the file descriptors themselves, over the socket), and the zygote forks a
+child that runs the script as ``python train.py ...`` would. The process torchrun started stays
+as the worker's stand-in: it forwards signals to the child and exits with the child's status (a
+child killed by signal N kills its stand-in with N), so torchrun's monitoring, restarts and
+shutdown see what they would see without it. A child whose stand-in dies (SIGKILLed by torchrun,
+or the node's process tree killed) is SIGKILLed by the zygote at once.
+
+Nothing is pickled: the request is a JSON header plus the three descriptors (SCM_RIGHTS), the
+answers JSON lines. The socket and the zygote's pid file live in ``$FFPLANE_WARM_DIR`` (default
+``/dev/shm/ffplane-warm-<uid>``), named for the interpreter and the installed torch, so a new
+Python or torch never forks from an old zygote. The zygote imports only torch (and
+``$FFPLANE_WARM_PRELOAD``, comma-separated modules); the script and ffplane are imported fresh in
+every child, so edited code is picked up. Variables torch reads while it is imported take the
+zygote's values (those of the first worker that started it). It exits after
+``$FFPLANE_WARM_IDLE_S`` (default 600) seconds without children or requests, or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+DIR_ENV = "FFPLANE_WARM_DIR"
+PRELOAD_ENV = "FFPLANE_WARM_PRELOAD"
+IDLE_ENV = "FFPLANE_WARM_IDLE_S"
+_LEN = struct.Struct("!I")
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+class WarmStartError(RuntimeError):
+    """The zygote could not run the worker; the message says why."""
+
+
+def warm_dir() -> Path:
+    return Path(os.environ.get(DIR_ENV) or f"/dev/shm/ffplane-warm-{os.getuid()}")
+
+
+def socket_path() -> Path:
+    """This interpreter's and torch's zygote socket (found without importing torch)."""
+    spec = importlib.util.find_spec("torch")
+    origin = spec.origin if spec and spec.origin else ""
+    stamp = os.stat(origin).st_mtime_ns if origin else 0
+    key = hashlib.sha1(f"{sys.executable}|{sys.version}|{origin}|{stamp}".encode()).hexdigest()[:12]
+    return warm_dir() / f"z-{key}.sock"  # short: a socket path has at most 107 bytes
+
+
+def stop(directory: Path) -> None:
+    """SIGKILL the zygotes of ``directory`` and their children (a node that is gone), and remove
+    the folder."""
+    import shutil
+
+    from trainer_client.torchrun import kill_tree
+
+    for pidfile in directory.glob("*.pid"):
+        try:
+            pid = int(pidfile.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue  # gone already
+        if b"trainer_client.warm_start" in cmdline and str(pidfile.with_suffix(".sock")).encode() in cmdline:
+            kill_tree(pid)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---- the worker's stand-in ------------------------------------------------------------------
+def main(argv: list[str]) -> int:
+    """Run ``argv`` (``script.py args`` or ``-m module args``) in a child of the zygote, or here
+    (starting a zygote for the next time) if there is none yet."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    path = socket_path()
+    conn = _connect(path)
+    if conn is None:
+        _start_zygote(path)
+        return _run(argv)
+    with conn:
+        return _stand_in(conn, argv)
+
+
+def _connect(path: Path) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+def _stand_in(conn: socket.socket, argv: list[str]) -> int:
+    header = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": bool(getattr(sys.stdout, "write_through", False))}).encode()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    socket.send_fds(conn, [_LEN.pack(len(header)) + header], [0, 1, 2])
+    answers = conn.makefile("rb")
+    first = _answer(answers)
+    if "error" in first:
+        raise WarmStartError(str(first["error"]))
+    child = int(first["pid"])
+    for sig in _FORWARDED:
+        signal.signal(sig, lambda n, _f: _forward(child, n))
+    end = _answer(answers)
+    if "signal" in end:  # die the way the child died, so torchrun reports the same failure
+        n = int(end["signal"])
+        if n not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(n, signal.SIG_DFL)
+        os.kill(os.getpid(), n)
+        time.sleep(1)
+        return 128 + n
+    if "exit" in end:
+        return int(end["exit"])
+    # the zygote went away first: its orphaned child runs on; wait for it, status unknown
+    _wait_pid(child)
+    print(f"ffplane warm start: lost the zygote while worker {child} ran; its exit status is unknown", file=sys.stderr)
+    return 1
+
+
+def _answer(answers: Any) -> dict[str, Any]:
+    while True:
+        try:
+            line = answers.readline()
+            break
+        except InterruptedError:
+            continue
+    return json.loads(line) if line else {}
+
+
+def _forward(child: int, n: int) -> None:
+    try:
+        os.kill(child, n)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_pid(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        select.select([fd], [], [])
+    finally:
+        os.close(fd)
+
+
+def _start_zygote(path: Path) -> None:
+    """Start the zygote in the background (its own session: it outlives this worker)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log = open(path.with_suffix(".log"), "ab")
+    try:
+        subprocess.Popen(
+            [sys.executable, "-m", "trainer_client.warm_start", "--serve", str(path)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+        )
+    finally:
+        log.close()
+
+
+def _run(argv: list[str]) -> int:
+    """Run the script in this process, as ``python argv...`` would."""
+    try:
+        if argv[0] == "-m":
+            if len(argv) < 2:
+                raise SystemExit("warm_start: -m needs a module name")
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- the zygote -------------------------------------------------------------------------------
+class _Zygote:
+    def __init__(self, path: Path, idle_s: float) -> None:
+        self.path, self.idle_s = path, idle_s
+        self.children: dict[int, socket.socket] = {}  # child pid → its stand-in's connection
+        self.by_conn: dict[socket.socket, int] = {}
+        self.last_busy = time.monotonic()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.wake_r, self.wake_w = os.pipe()
+
+    def bind(self) -> bool:
+        """Listen on the socket; False if another zygote already does."""
+        try:
+            self.listener.bind(str(self.path))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            other = _connect(self.path)
+            if other is not None:
+                other.close()
+                return False
+            self.path.unlink(missing_ok=True)  # left by a zygote that died
+            self.listener.bind(str(self.path))
+        self.listener.listen(64)
+        self.path.with_suffix(".pid").write_text(str(os.getpid()))
+        return True
+
+    def serve(self) -> None:
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            while self.children or time.monotonic() - self.last_busy < self.idle_s:
+                conns: list[socket.socket] = list(self.by_conn)
+                ready, _, _ = select.select([self.listener.fileno(), self.wake_r, *(c.fileno() for c in conns)], [], [], 1.0)
+                for fd in ready:
+                    if fd == self.listener.fileno():
+                        self._accept()
+                    elif fd == self.wake_r:
+                        os.read(self.wake_r, 512)
+                    else:
+                        self._stand_in_gone(next(c for c in conns if c.fileno() == fd))
+                self._reap()
+        finally:
+            for child in list(self.children):
+                _forward(child, signal.SIGKILL)
+            self.path.unlink(missing_ok=True)
+            self.path.with_suffix(".pid").unlink(missing_ok=True)
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        self.last_busy = time.monotonic()
+        try:
+            conn.settimeout(10)
+            request, fds = _receive(conn)
+            conn.settimeout(None)
+        except (OSError, ValueError) as exc:
+            try:
+                _send(conn, {"error": f"bad warm-start request: {exc}"})
+            except OSError:
+                pass  # that client is gone already
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:
+            self._become_worker(request, fds, conn)  # never returns
+        for fd in fds:
+            os.close(fd)
+        self.children[pid] = conn
+        self.by_conn[conn] = pid
+        try:
+            _send(conn, {"pid": pid})
+        except OSError:
+            self._stand_in_gone(conn)
+
+    def _become_worker(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> None:
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            for s in (self.listener, conn, *self.by_conn):
+                s.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            for target, fd in enumerate(fds[:3]):
+                os.dup2(fd, target)
+            for fd in fds:
+                if fd > 2:
+                    os.close(fd)
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+            if request.get("unbuffered"):  # torchrun runs workers as ``python -u``
+                for stream in (sys.stdout, sys.stderr):
+                    if isinstance(stream, io.TextIOWrapper):
+                        stream.reconfigure(line_buffering=True, write_through=True)
+            code = _run([str(a) for a in request["argv"]])
+        except BaseException:  # noqa: BLE001 - the worker's own traceback, as python would print it
+            traceback.print_exc()
+        finally:
+            try:
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+
+    def _stand_in_gone(self, conn: socket.socket) -> None:
+        """The stand-in's connection closed or spoke: it died (a stand-in never writes twice)."""
+        pid = self.by_conn.pop(conn)
+        _forward(pid, signal.SIGKILL)
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            self.by_conn.pop(conn, None)
+            self.last_busy = time.monotonic()
+            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+            try:
+                _send(conn, {"signal": sig} if sig else {"exit": os.waitstatus_to_exitcode(status)})
+            except OSError:
+                pass  # the stand-in is gone too
+            conn.close()
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    if len(data) < _LEN.size:
+        raise ValueError("no header")
+    (n,) = _LEN.unpack_from(data)
+    body = data[_LEN.size :]
+    while len(body) < n:
+        more = conn.recv(n - len(body))
+        if not more:
+            raise ValueError("header cut short")
+        body += more
+    if len(fds) != 3:
+        raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
+    request = json.loads(body)
+    if not (isinstance(request, dict) and isinstance(request.get("argv"), list) and request["argv"] and isinstance(request.get("env"), dict) and isinstance(request.get("cwd"), str)):
+        raise ValueError("header needs argv (non-empty list), env (object) and cwd (string)")
+    return request, fds
+
+
+def _send(conn: socket.socket, msg: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(msg).encode() + b"\n")
+
+
+def serve(path: Path, idle_s: float) -> int:
+    z = _Zygote(path, idle_s)
+    if not z.bind():
+        return 0  # another worker's zygote won the race
+    for name in ["torch", "torch.distributed", "torch.nn.parallel", *filter(None, os.environ.get(PRELOAD_ENV, "").split(","))]:
+        importlib.import_module(name.strip())
+    z.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        sys.exit(serve(Path(sys.argv[2]), float(os.environ.get(IDLE_ENV, "600"))))
+    sys.exit(main(sys.argv[1:]))
