@@ -151,9 +151,9 @@ class LocalJobs:
             "data_ready": max(e["t"] for e in ev if e["kind"] == "data_ready"),
             "first_step": max(first.values()),
         }
-        for kind in STARTUP:
-            if any(e["kind"] == kind for e in ev):
-                stamps[kind] = max(e["t"] for e in ev if e["kind"] == kind)
+        for stage in STARTUP:
+            if any(e["kind"] == stage for e in ev):
+                stamps[stage] = max(e["t"] for e in ev if e["kind"] == stage)
         # nothing was lost (restored past the newest step done) or every rank redid the lost steps
         stamps["caught_up"] = max(back.values()) if back else stamps["first_step"]
         return {

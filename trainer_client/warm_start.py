@@ -262,6 +262,7 @@ class _Zygote:
             request, fds = _receive(conn)
             conn.settimeout(None)
         except (OSError, ValueError) as exc:
+            _log("bad request refused", "warning", error=str(exc))
             try:
                 _send(conn, {"error": f"bad warm-start request: {exc}"})
             except OSError:
@@ -275,6 +276,7 @@ class _Zygote:
             os.close(fd)
         self.children[pid] = conn
         self.by_conn[conn] = pid
+        _log("worker forked", pid=pid, argv=request["argv"], rank=request["env"].get("RANK"))
         try:
             _send(conn, {"pid": pid})
         except OSError:
@@ -332,11 +334,17 @@ class _Zygote:
             self.by_conn.pop(conn, None)
             self.last_busy = time.monotonic()
             sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+            _log("worker exited", pid=pid, signal=sig or None, exit=None if sig else os.waitstatus_to_exitcode(status))
             try:
                 _send(conn, {"signal": sig} if sig else {"exit": os.waitstatus_to_exitcode(status)})
             except OSError:
                 pass  # the stand-in is gone too
             conn.close()
+
+
+def _log(msg: str, level: str = "info", **fields: Any) -> None:
+    """One structured line on the zygote's stderr (its log file, beside the socket)."""
+    print(json.dumps({"ts": round(time.time(), 3), "level": level, "logger": __name__.replace("__main__", "trainer_client.warm_start"), "msg": msg, **fields}), file=sys.stderr, flush=True)
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -366,9 +374,13 @@ def serve(path: Path, idle_s: float) -> int:
     z = _Zygote(path, idle_s)
     if not z.bind():
         return 0  # another worker's zygote won the race
-    for name in ["torch", "torch.distributed", "torch.nn.parallel", *filter(None, os.environ.get(PRELOAD_ENV, "").split(","))]:
+    started = time.perf_counter()
+    preload = ["torch", "torch.distributed", "torch.nn.parallel", *filter(None, os.environ.get(PRELOAD_ENV, "").split(","))]
+    for name in preload:
         importlib.import_module(name.strip())
+    _log("zygote ready", socket=str(path), preloaded=preload, import_s=round(time.perf_counter() - started, 3), idle_exit_s=idle_s)
     z.serve()
+    _log("zygote exits: idle", socket=str(path))
     return 0
 
 
