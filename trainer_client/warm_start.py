@@ -19,8 +19,9 @@ or the node's process tree killed) is SIGKILLed by the zygote at once.
 Nothing is pickled: the request is a JSON header plus the three descriptors (SCM_RIGHTS), the
 answers JSON lines. The socket and the zygote's pid file live in ``$FFPLANE_WARM_DIR`` (default
 ``/dev/shm/ffplane-warm-<uid>``), named for the interpreter and the installed torch, so a new
-Python or torch never forks from an old zygote. The zygote imports only torch (and
-``$FFPLANE_WARM_PRELOAD``, comma-separated modules); the script and ffplane are imported fresh in
+Python or torch never forks from an old zygote. The zygote imports only torch (with
+``torch._dynamo``, which DDP's constructor imports, and ``$FFPLANE_WARM_PRELOAD``, comma-separated
+modules); the script and ffplane are imported fresh in
 every child, so edited code is picked up. Variables torch reads while it is imported take the
 zygote's values (those of the first worker that started it). It exits after
 ``$FFPLANE_WARM_IDLE_S`` (default 600) seconds without children or requests, or on SIGTERM.
@@ -375,7 +376,8 @@ def serve(path: Path, idle_s: float) -> int:
     if not z.bind():
         return 0  # another worker's zygote won the race
     started = time.perf_counter()
-    preload = ["torch", "torch.distributed", "torch.nn.parallel", *filter(None, os.environ.get(PRELOAD_ENV, "").split(","))]
+    # torch._dynamo: DDP's constructor imports it (sympy and all), ~1 s of CPU more than torch
+    preload = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo", *filter(None, os.environ.get(PRELOAD_ENV, "").split(","))]
     for name in preload:
         importlib.import_module(name.strip())
     _log("zygote ready", socket=str(path), preloaded=preload, import_s=round(time.perf_counter() - started, 3), idle_exit_s=idle_s)
