@@ -26,6 +26,12 @@ from statestore.slots import SlotError, SlotStore, Version
 
 log = logging.getLogger(__name__)
 _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux
+# How long a node that had a ring successor and lost it (the ring is just this node) still holds
+# commits back for one to reappear: a live node can be declared dead for a moment — silent for
+# 1.5 s while its data server restarts under load, then back on its next beat — and a commit
+# answered in that moment has no copy anywhere else (found by the soak). Longer than a death and
+# a return; short enough that a job left on one node for good runs on, unreplicated (logged).
+_ALONE_GRACE_S = 5.0
 
 
 @dataclass
@@ -205,6 +211,8 @@ class Replicator:
         self._commits: dict[tuple[str, str], int] = {}  # per role, since this daemon started
         self._wake = asyncio.Event()
         self.successor: str | None = None
+        self._alone_since: float | None = None  # when the ring shrank to this node alone
+        self._warned_alone = False
         self._ring: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self.replicated: dict[tuple[str, str], tuple[int, str]] = {}  # newest step pushed, and where
         self._progress = asyncio.Event()  # set (and replaced) whenever ``replicated`` moves
@@ -242,7 +250,7 @@ class Replicator:
         self._wake.set()
         try:
             while not self._holds(job, role, need):
-                if self.successor is None and self.heartbeat.view.get("successor") is None:
+                if self.successor is None and self.heartbeat.view.get("successor") is None and not self._waits_for_a_peer():
                     return  # no peer to replicate to: nothing to wait for
                 left = self.wait_s - (time.monotonic() - started)
                 if left <= 0:
@@ -259,6 +267,18 @@ class Replicator:
             if waited > 0.001:
                 self.commit_waits += 1
                 self.commit_wait_s += waited
+
+    def _waits_for_a_peer(self) -> bool:
+        """Alone in the ring: whether a successor may be back soon (see ``_ALONE_GRACE_S``). A
+        node that never had one (a single-node job) does not wait at all."""
+        if self._alone_since is None:
+            return False
+        if time.monotonic() - self._alone_since < _ALONE_GRACE_S:
+            return True
+        if not self._warned_alone:
+            self._warned_alone = True
+            log.warning("no ring successor for a while: commits are answered without a replica on another node", extra={"alone_s": round(time.monotonic() - self._alone_since, 1)})
+        return False
 
     def _holds(self, job: str, role: str, step: int) -> bool:
         done = self.replicated.get((job, role))
@@ -291,6 +311,10 @@ class Replicator:
             if ring != self._ring:
                 if succ != self.successor:
                     log.info("replication target changed", extra={"from": self.successor, "to": succ})
+                    if succ is None and self.successor is not None:
+                        self._alone_since, self._warned_alone = time.monotonic(), False
+                    elif succ is not None:
+                        self._alone_since = None
                 self.successor, self._ring = succ, ring
                 if succ is not None:
                     self._ring_changed(view)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from tests._servers import TOKEN, until
+from tests._servers import TOKEN, Proc, until
 from trainer_client import Checkpointer, Layout
 from trainer_client.local_cluster import LocalCluster
 
@@ -140,35 +144,64 @@ def test_losing_a_node_and_its_successor_falls_back_to_the_durable_tier(cluster:
     assert reply["source"] == "durable" and reply["step"] == 2 and "durable tier" in reply["message"] and "dp0-pp0-tp0" in reply["message"]
 
 
+@contextlib.contextmanager
+def _stopped(proc: Proc) -> Iterator[Callable[[float], threading.Timer]]:
+    """``proc`` SIGSTOPped (it cannot beat, nor take a push) for the block; yields a function
+    that schedules its SIGCONT, which also happens on the way out."""
+    timers: list[threading.Timer] = []
+
+    def resume_after(seconds: float) -> threading.Timer:
+        timers.append(threading.Timer(seconds, os.kill, (proc.pid, signal.SIGCONT)))
+        timers[-1].start()
+        return timers[-1]
+
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield resume_after
+    finally:
+        for t in timers:
+            t.cancel()
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def _replicated(c: LocalCluster, node: int, role: str = "dp0-pp0-tp0") -> dict[str, Any]:
+    return _daemon_state(c, node)["replication"]["roles"][f"job/{role}"]
+
+
 def test_a_restarted_coordinator_keeps_commits_waiting_for_their_replica(cluster: LocalCluster) -> None:
     """A restarted data server's first ring views hold only the nodes that have beaten since;
     a commit made then must still wait until the successor holds it (found by the soak: n19
     committed unreplicated steps in that second and was lost)."""
-    import os
-    import signal
-    import threading
-
     _start(cluster, 2)  # n0 → n1 → n0
     _save(cluster, 0, 0, range(1, 3))
-    until(lambda: _daemon_state(cluster, 0)["replication"]["roles"]["job/dp0-pp0-tp0"]["replicated"] == 2, what="step 2 on n1")
+    until(lambda: _replicated(cluster, 0)["replicated"] == 2, what="step 2 on n1")
     assert cluster.dataserver is not None
     port = int(cluster.dataserver.ready["port"])  # type: ignore[call-overload]
-    n1 = cluster.daemons[1]
-    os.kill(n1.pid, signal.SIGSTOP)  # n1 cannot register with the new data server (nor take a push) yet
-    try:
+    with _stopped(cluster.daemons[1]) as resume_after:  # n1 cannot register with the new data server yet
         cluster.dataserver.kill()
         cluster.start_dataserver(port=port)
         until(lambda: _status(cluster)["ring"] == ["n0"], what="n0 registered with the new data server")
-        resume = threading.Timer(0.5, os.kill, (n1.pid, signal.SIGCONT))
-        resume.start()
+        resume_after(0.5)
         _save(cluster, 0, 0, range(3, 4))  # returns once step 3's commit is answered
         # answered only once the successor held it: it was never without one
-        assert _daemon_state(cluster, 0)["replication"]["roles"]["job/dp0-pp0-tp0"] == {"committed": 3, "replicated": 3, "to": "n1"}
-        resume.join()
-    finally:
-        os.kill(n1.pid, signal.SIGCONT)
+        assert _replicated(cluster, 0) == {"committed": 3, "replicated": 3, "to": "n1"}
     until(lambda: _status(cluster)["ring"] == ["n0", "n1"], what="n1 back in the ring")
     assert _daemon_state(cluster, 0)["replication"]["commit_wait_timeouts"] == 0
+
+
+def test_a_commit_waits_while_its_successor_is_briefly_declared_dead(cluster: LocalCluster) -> None:
+    """A live node declared dead for a moment (silent past the coordinator's limit, then back)
+    leaves its predecessor alone in the ring; commits made then wait for it to return (the
+    soak lost a node right after such a moment: its commits had no copy anywhere else)."""
+    _start(cluster, 2)
+    _save(cluster, 0, 0, range(1, 3))
+    until(lambda: _replicated(cluster, 0)["replicated"] == 2, what="step 2 on n1")
+    with _stopped(cluster.daemons[1]) as resume_after:
+        until(lambda: "n1" in _status(cluster)["dead"], what="n1 declared dead")
+        until(lambda: _daemon_state(cluster, 0)["coordinator"]["successor"] is None, what="n0 alone in its ring")
+        resume_after(0.5)
+        _save(cluster, 0, 0, range(3, 4))
+        assert _replicated(cluster, 0) == {"committed": 3, "replicated": 3, "to": "n1"}
 
 
 def _restorable_reply(c: LocalCluster, node: int, role: str) -> dict[str, Any]:
