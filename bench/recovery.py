@@ -75,9 +75,6 @@ class System(LocalJobs):
             time.sleep(0.05)
 
     # --- failures ------------------------------------------------------------------------
-    def kill_worker(self, job: str) -> None:
-        os.kill(self.worker_pid(f"n{self.placement[0]}", time.time() - 30, job), signal.SIGKILL)
-
     def lose_node(self, job: str, nodes: list[TorchrunNode]) -> None:
         """Node 1 is gone; a replacement node joins (on ffplane: an empty daemon, registered)."""
         nodes[1].kill()
@@ -116,9 +113,12 @@ class System(LocalJobs):
                 # a few steps past the last restore, off any checkpoint boundary for torch.save
                 self.wait_steps(job, nodes, newest + 6, since)
                 saved_before = max(self.saved_steps(since, job).values())
+                # the victim is chosen before the clock starts: reading the event files takes long
+                # enough for a step to finish in between
+                victim = self.worker_pid(f"n{self.placement[0]}", time.time() - 30, job) if kind == "worker SIGKILL" else 0
                 failed_at = time.time()
                 if kind == "worker SIGKILL":
-                    self.kill_worker(job)
+                    os.kill(victim, signal.SIGKILL)
                 else:
                     self.lose_node(job, nodes)
                 # the newest step done when the failure hit, read again: a line written after the
@@ -146,7 +146,7 @@ class System(LocalJobs):
             kills = 0
             while any(n.running() for n in nodes):
                 if fail and kills < failures and time.time() - first >= (kills + 1) * interval_s:
-                    self.kill_worker(job)
+                    os.kill(self.worker_pid(f"n{self.placement[0]}", time.time() - 30, job), signal.SIGKILL)
                     kills += 1
                 time.sleep(0.05)
             self.wait_done(nodes)

@@ -64,10 +64,16 @@ class Soak(LocalJobs):
         return False
 
     # --- failures ------------------------------------------------------------------------
-    def inject(self, kind: str, nodes: list[TorchrunNode]) -> None:
+    def inject(self, kind: str, nodes: list[TorchrunNode]) -> float:
+        """Inject one failure; when it hit (wall clock)."""
         pos = self.rng.randrange(len(nodes))
+        hit = time.time()
         if kind == "worker_kill":
-            os.kill(self.worker_pid(f"n{self.placement[pos]}", time.time() - 30, JOB), signal.SIGKILL)
+            # the victim is chosen first: reading every event file takes long enough for a step
+            # to finish before the kill, which then counted as "-1 steps lost"
+            victim = self.worker_pid(f"n{self.placement[pos]}", time.time() - 30, JOB)
+            hit = time.time()
+            os.kill(victim, signal.SIGKILL)
         elif kind == "daemon_kill":
             d = self.placement[pos]
             self.cluster.daemons[self._daemon_slot(d)].kill()
@@ -103,6 +109,7 @@ class Soak(LocalJobs):
             self.cluster.start_dataserver(port=port)
         else:
             raise ValueError(f"unknown failure kind {kind!r}; choose from {KINDS}")
+        return hit
 
     def _daemon_slot(self, index: int) -> int:
         """Position in ``cluster.daemons`` of the live daemon for node ``n<index>``."""
@@ -130,8 +137,7 @@ class Soak(LocalJobs):
             if saved_before >= self.steps - 3:
                 print(f"  the job is nearly done after {i} failures: raise --steps", flush=True)
                 break
-            failed_at = time.time()
-            self.inject(kind, nodes)
+            failed_at = self.inject(kind, nodes)
             recovered = self.progressed(nodes, saved_before + 1, failed_at, timeout_s=self.recovery_timeout_s)
             events = self.events(JOB)
             restored = [e for e in events if e["kind"] == "restored" and e["t"] >= failed_at]
