@@ -21,9 +21,9 @@ answers JSON lines. The socket and the zygote's pid file live in ``$FFPLANE_WARM
 ``/dev/shm/ffplane-warm-<uid>``), named for the interpreter and the installed torch, so a new
 Python or torch never forks from an old zygote. The zygote imports only torch (with
 ``torch._dynamo``, which DDP's constructor imports, and ``$FFPLANE_WARM_PRELOAD``, comma-separated
-modules); the script and ffplane are imported fresh in
-every child, so edited code is picked up. Variables torch reads while it is imported take the
-zygote's values (those of the first worker that started it). It exits after
+modules); the script and ffplane's modules (all but this one; the package's names load lazily) are
+imported fresh in every child, so edited code is picked up. Variables torch reads while it is
+imported take the zygote's values (those of the first worker that started it). It exits after
 ``$FFPLANE_WARM_IDLE_S`` (default 600) seconds without children or requests, or on SIGTERM.
 """
 
