@@ -148,11 +148,6 @@ class _Beats:
         self.members: dict[str, str] = {}
         self.dead: set[str] = set()
         self.full_view_after = 0.0
-        # Members of the previous coordinator's view that a restarted one has not heard from yet
-        # (see ``_set_view``), kept until ``carry_until``.
-        self.carried: dict[str, str] = {}
-        self.carry_until = 0.0
-        self.rejoin_grace_s = max(2.0, 3 * hb.config.heartbeat_s)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -160,9 +155,6 @@ class _Beats:
 
     async def beat(self) -> None:
         hb = self.hb
-        if self.carried and time.monotonic() >= self.carry_until:
-            self.carried = {}
-            self._publish()
         inventory, workers = hb.inventory(), list(hb.workers.values())
         payload = encode_inventory(inventory, workers)
         ident = (hb.address, hb.config.budget_bytes)
@@ -303,33 +295,20 @@ class _Beats:
             log.warning("cannot fetch the ring view", extra={"dataserver": self.url, "error": str(exc)})
 
     def _set_view(self, answer: dict[str, Any]) -> None:
-        epoch = int(answer["epoch"])
-        members = {str(n): str(a) for n, a in answer["members"].items()}
-        if self.epoch and epoch != self.epoch:
-            # A restarted coordinator knows only the nodes that have beaten since it started, so
-            # its first views may leave out live nodes — this node's successor among them, and
-            # with no successor a commit is answered without waiting for its replica (the
-            # replica-lag bound; the 200-failure soak lost a node in that second and could not
-            # restore). Keep the previous members it has not heard from for a few heartbeats,
-            # by which time every live node has registered again (decisions.md, "A restarted
-            # coordinator").
-            self.carried = {n: a for n, a in {**self.carried, **self.members}.items() if n not in members}
-            self.carry_until = time.monotonic() + self.rejoin_grace_s
-        self.epoch, self.version = epoch, int(answer["version"])
-        self.members = members
+        self.epoch, self.version = int(answer["epoch"]), int(answer["version"])
+        self.members = {str(n): str(a) for n, a in answer["members"].items()}
         self.dead = {str(n) for n in answer["dead"]}
         self._publish()
 
     def _publish(self) -> None:
-        members = {**{n: a for n, a in self.carried.items() if n not in self.dead}, **self.members}
-        ring = sorted(members)
+        ring = sorted(self.members)
         me = self.hb.config.node_id
-        succ = ring[(ring.index(me) + 1) % len(ring)] if me in members and len(ring) >= 2 else None
+        succ = ring[(ring.index(me) + 1) % len(ring)] if me in self.members and len(ring) >= 2 else None
         self.hb.view = {
             "ring": ring,
             "successor": succ,
-            "successor_address": members[succ] if succ else None,
+            "successor_address": self.members[succ] if succ else None,
             "dead": sorted(self.dead),
-            "members": members,
+            "members": dict(self.members),
             "version": self.version,
         }
