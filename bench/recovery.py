@@ -75,6 +75,10 @@ class System(LocalJobs):
             time.sleep(0.05)
 
     # --- failures ------------------------------------------------------------------------
+    def victim(self, job: str) -> int:
+        """A worker of ``job`` on the first node, to SIGKILL."""
+        return self.worker_pid(f"n{self.placement[0]}", time.time() - 30, job)
+
     def lose_node(self, job: str, nodes: list[TorchrunNode]) -> None:
         """Node 1 is gone; a replacement node joins (on ffplane: an empty daemon, registered)."""
         nodes[1].kill()
@@ -112,17 +116,16 @@ class System(LocalJobs):
                 newest = max(self.saved_steps(since, job).values(), default=-1)
                 # a few steps past the last restore, off any checkpoint boundary for torch.save
                 self.wait_steps(job, nodes, newest + 6, since)
-                saved_before = max(self.saved_steps(since, job).values())
                 # the victim is chosen before the clock starts: reading the event files takes long
                 # enough for a step to finish in between
-                victim = self.worker_pid(f"n{self.placement[0]}", time.time() - 30, job) if kind == "worker SIGKILL" else 0
+                victim = self.victim(job) if kind == "worker SIGKILL" else 0
                 failed_at = time.time()
                 if kind == "worker SIGKILL":
                     os.kill(victim, signal.SIGKILL)
                 else:
                     self.lose_node(job, nodes)
-                # the newest step done when the failure hit, read again: a line written after the
-                # first read but stamped before ``failed_at`` counts (else "lost -1")
+                # the newest step done when the failure hit (read after it: a line stamped before
+                # ``failed_at`` may land in its file a moment later)
                 saved_before = max(e["step"] for e in self.events(job) if e["kind"] == "saved" and since <= e["t"] <= failed_at)
                 self.wait_steps(job, nodes, saved_before + 1, failed_at)  # caught up
                 out.append(self.timeline(kind, failed_at, self.detected(job, failed_at) or failed_at, saved_before, job))
@@ -146,7 +149,7 @@ class System(LocalJobs):
             kills = 0
             while any(n.running() for n in nodes):
                 if fail and kills < failures and time.time() - first >= (kills + 1) * interval_s:
-                    os.kill(self.worker_pid(f"n{self.placement[0]}", time.time() - 30, job), signal.SIGKILL)
+                    os.kill(self.victim(job), signal.SIGKILL)
                     kills += 1
                 time.sleep(0.05)
             self.wait_done(nodes)

@@ -142,7 +142,7 @@ class LocalJobs:
                 continue
             if e["step"] == step + 1:
                 first.setdefault(e["rank"], e["t"])
-            if e["step"] > saved_before:  # == saved_before + 1, unless its event line was cut by the kill
+            if e["step"] > saved_before:  # saved_before + 1, or later if the restore was newer
                 back.setdefault(e["rank"], e["t"])
         stamps = {
             "detected": detected_at,
@@ -152,10 +152,11 @@ class LocalJobs:
             "first_step": max(first.values()),
         }
         for stage in STARTUP:
-            if any(e["kind"] == stage for e in ev):
-                stamps[stage] = max(e["t"] for e in ev if e["kind"] == stage)
-        # nothing was lost (restored past the newest step done) or every rank redid the lost steps
-        stamps["caught_up"] = max(back.values()) if back else stamps["first_step"]
+            if times := [e["t"] for e in ev if e["kind"] == stage]:
+                stamps[stage] = max(times)
+        if not back:
+            raise RuntimeError(f"no rank saved a step past {saved_before} after the {kind} yet: wait for step {saved_before + 2} before taking its timeline")
+        stamps["caught_up"] = max(back.values())
         return {
             "failure": kind, "restored_step": step, "steps_lost": saved_before - step,
             "seconds": {k: round(v - failed_at, 3) for k, v in stamps.items()},

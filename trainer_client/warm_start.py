@@ -145,12 +145,9 @@ def _stand_in(conn: socket.socket, argv: list[str]) -> int:
 
 
 def _answer(answers: Any) -> dict[str, Any]:
-    while True:
-        try:
-            line = answers.readline()
-            break
-        except InterruptedError:
-            continue
+    """The zygote's next answer; {} if it closed the connection. (A forwarded signal does not cut
+    the read short: its handler returns, and Python retries the call.)"""
+    line = answers.readline()
     return json.loads(line) if line else {}
 
 

@@ -26,5 +26,6 @@ def test_a_short_soak_survives_every_failure_kind(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # ~25 min here; the suite's 300 s limit cut it short
 def test_the_full_soak_survives_200_failures(tmp_path: Path) -> None:
     _check(soak.main(["--failures", "200", "--results-dir", str(tmp_path)]), 200)

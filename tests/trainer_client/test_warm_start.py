@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,10 +29,11 @@ sys.exit(int(sys.argv[1]))
 
 
 @pytest.fixture
-def warm(tmp_path: Path) -> Iterator[dict[str, str]]:
+def warm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     directory = Path(f"/dev/shm/ffw-test-{os.getpid()}")  # short: socket paths have at most 107 bytes
     (tmp_path / "job.py").write_text(SCRIPT)
-    env = {**os.environ, "FFPLANE_WARM_DIR": str(directory), "PYTHONPATH": str(REPO), "FFPLANE_WARM_IDLE_S": "120"}
+    monkeypatch.setenv("FFPLANE_WARM_DIR", str(directory))  # for socket_path() in this process too
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FFPLANE_WARM_IDLE_S": "120"}
     try:
         yield env
     finally:
@@ -46,87 +46,83 @@ def _launch(tmp_path: Path, env: dict[str, str], *args: str, x: str = "") -> sub
                             env={**env, "X": x}, stdout=subprocess.PIPE, text=True)
 
 
-def _zygote(env: dict[str, str]) -> int:
-    pidfile = Path(env["FFPLANE_WARM_DIR"]) / socket_path().with_suffix(".pid").name
-    return int(until(lambda: pidfile.exists() and pidfile.read_text(), what="the zygote's pid file"))
+def _cold_start(tmp_path: Path, env: dict[str, str], code: str = "0", x: str = "") -> tuple[dict[str, object], int]:
+    """The first launch: it runs the script itself and starts the zygote; (what the script saw,
+    the launched process's pid). Returns once the zygote listens (a launch then waits for its preload)."""
+    first = _launch(tmp_path, env, code, x=x)
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == int(code)
+    pidfile = socket_path().with_suffix(".pid")
+    until(lambda: pidfile.exists() and _listening(), timeout_s=120, what="the zygote listening")
+    return json.loads(out), first.pid
+
+
+def _zygote() -> int:
+    return int(socket_path().with_suffix(".pid").read_text())
+
+
+def _child(p: subprocess.Popen[str]) -> int:
+    """The pid of the zygote's child that a warm launch runs in."""
+    assert p.stdout is not None
+    return int(json.loads(p.stdout.readline())["pid"])
 
 
 def test_restarts_fork_from_the_zygote_with_their_own_argv_env_cwd_and_status(tmp_path: Path, warm: dict[str, str]) -> None:
-    os.environ["FFPLANE_WARM_DIR"] = warm["FFPLANE_WARM_DIR"]  # for socket_path() in this process
-    try:
-        first = _launch(tmp_path, warm, "3", x="one")
-        out, _ = first.communicate(timeout=120)
-        cold = json.loads(out)
-        assert first.returncode == 3 and cold["pid"] == first.pid  # ran in the launched process itself
-        zygote = _zygote(warm)
-        until(lambda: _answers(warm), timeout_s=120, what="the zygote listening")
+    cold, pid = _cold_start(tmp_path, warm, "3", x="one")
+    assert cold["pid"] == pid and not cold["torch_preloaded"]  # ran in the launched process itself
 
-        second = _launch(tmp_path, warm, "4", x="two")
-        out, _ = second.communicate(timeout=60)
-        got = json.loads(out)
-        assert second.returncode == 4
-        assert got["ppid"] == zygote and got["pid"] != second.pid and got["torch_preloaded"]
-        assert got["x"] == "two" and got["argv"] == ["job.py", "4"] and got["cwd"] == str(tmp_path)
-    finally:
-        del os.environ["FFPLANE_WARM_DIR"]
+    second = _launch(tmp_path, warm, "4", x="two")
+    out, _ = second.communicate(timeout=60)
+    got = json.loads(out)
+    assert second.returncode == 4
+    assert got["ppid"] == _zygote() and got["pid"] != second.pid and got["torch_preloaded"]
+    assert got["x"] == "two" and got["argv"] == ["job.py", "4"] and got["cwd"] == str(tmp_path)
 
 
 def test_signals_pass_both_ways(tmp_path: Path, warm: dict[str, str]) -> None:
-    os.environ["FFPLANE_WARM_DIR"] = warm["FFPLANE_WARM_DIR"]
-    try:
-        _launch(tmp_path, warm, "0").communicate(timeout=120)
-        zygote = _zygote(warm)
-        until(lambda: _answers(warm), timeout_s=120, what="the zygote listening")
+    _cold_start(tmp_path, warm)
+    zygote = _zygote()
 
-        # the worker SIGKILLed: its stand-in dies of SIGKILL too (what torchrun watches)
-        p = _launch(tmp_path, warm, "sleep")
-        child = json.loads(p.stdout.readline())["pid"]  # type: ignore[union-attr]
-        os.kill(child, signal.SIGKILL)
-        assert p.wait(timeout=30) == -signal.SIGKILL
+    # the worker SIGKILLed: its stand-in dies of SIGKILL too (what torchrun watches)
+    p = _launch(tmp_path, warm, "sleep")
+    os.kill(_child(p), signal.SIGKILL)
+    assert p.wait(timeout=30) == -signal.SIGKILL
 
-        # torchrun stopping a worker: SIGTERM reaches the child, which dies of it
-        p = _launch(tmp_path, warm, "sleep")
-        child = json.loads(p.stdout.readline())["pid"]  # type: ignore[union-attr]
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=30) == -signal.SIGTERM
-        until(lambda: not _alive(child), what="the child gone")
+    # torchrun stopping a worker: SIGTERM reaches the child, which dies of it
+    p = _launch(tmp_path, warm, "sleep")
+    child = _child(p)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == -signal.SIGTERM
+    until(lambda: not _alive(child), what="the child gone")
 
-        # the stand-in SIGKILLed (no forwarding possible): the zygote ends the child
-        p = _launch(tmp_path, warm, "sleep")
-        child = json.loads(p.stdout.readline())["pid"]  # type: ignore[union-attr]
-        p.kill()
-        p.wait(timeout=30)
-        until(lambda: not _alive(child), what="the orphaned child ended by the zygote")
-        assert _alive(zygote)
-    finally:
-        del os.environ["FFPLANE_WARM_DIR"]
+    # the stand-in SIGKILLed (no forwarding possible): the zygote ends the child
+    p = _launch(tmp_path, warm, "sleep")
+    child = _child(p)
+    p.kill()
+    p.wait(timeout=30)
+    until(lambda: not _alive(child), what="the orphaned child ended by the zygote")
+    assert _alive(zygote)
 
 
 def test_a_malformed_request_gets_an_error_and_the_zygote_serves_on(tmp_path: Path, warm: dict[str, str]) -> None:
-    os.environ["FFPLANE_WARM_DIR"] = warm["FFPLANE_WARM_DIR"]
-    try:
-        _launch(tmp_path, warm, "0").communicate(timeout=120)
-        until(lambda: _answers(warm), timeout_s=120, what="the zygote listening")
-        with socket.socket(socket.AF_UNIX) as s:
-            s.connect(str(socket_path()))
-            body = b'{"argv": []}'
-            socket.send_fds(s, [len(body).to_bytes(4, "big") + body], [0, 1, 2])
-            reply = json.loads(s.makefile("rb").readline())
-        assert "argv" in reply["error"]
-        p = _launch(tmp_path, warm, "5")
-        p.communicate(timeout=60)
-        assert p.returncode == 5
-    finally:
-        del os.environ["FFPLANE_WARM_DIR"]
+    _cold_start(tmp_path, warm)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(socket_path()))
+        body = b'{"argv": []}'
+        socket.send_fds(s, [len(body).to_bytes(4, "big") + body], [0, 1, 2])
+        reply = json.loads(s.makefile("rb").readline())
+    assert "argv" in reply["error"]
+    p = _launch(tmp_path, warm, "5")
+    p.communicate(timeout=60)
+    assert p.returncode == 5
 
 
-def _answers(env: dict[str, str]) -> bool:
+def _listening() -> bool:
     with socket.socket(socket.AF_UNIX) as s:
         try:
             s.connect(str(socket_path()))
         except OSError:
             return False
-    time.sleep(0.05)
     return True
 
 
