@@ -4,6 +4,7 @@ python _hook_worker.py RANK WORLD INIT_FILE HINTS_ROOT BUCKET_MB HOOK OUT"""
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -47,7 +48,11 @@ def main() -> None:
         opt.step()
     torch.save({"calls": calls[0], "weights": [p.detach().clone() for p in model.parameters()]}, out)
     hints.close()
+    # DDP before its process group, and collected now (the comm hook's state keeps it in a cycle):
+    # freed at interpreter exit instead, after the group, a rank died with "terminate called
+    # without an active exception" (as the examples do, pytorch/pytorch#56297)
     del ddp
+    gc.collect()
     dist.destroy_process_group()
 
 
