@@ -15,10 +15,14 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 
 
-def repeat(fn: Callable[[], float], times: int) -> dict[str, Any]:
-    """Run ``fn`` ``times`` times; min/median/max of what it returns, plus every sample."""
-    samples = [fn() for _ in range(times)]
+def summary(samples: list[float]) -> dict[str, Any]:
+    """min/median/max of ``samples``, plus every sample."""
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples), "samples": samples}
+
+
+def repeat(fn: Callable[[], float], times: int) -> dict[str, Any]:
+    """Run ``fn`` ``times`` times; the summary of what it returns."""
+    return summary([fn() for _ in range(times)])
 
 
 def write_results(name: str, figures: dict[str, Any], config: dict[str, Any], checks: dict[str, Any], directory: Path = RESULTS) -> Path:

@@ -8,6 +8,8 @@ Measured in one run, on one dataset of tokenised text (rows of ``--seq`` int32 t
 
 * ``memcpy_gbps`` — numpy copy between two pre-faulted buffers of one step's size × 64;
 * ``loopback_tcp_gbps`` — one Python TCP connection on 127.0.0.1 between two processes;
+* ``http_stack_gbps`` — the required HTTP stack alone (FastAPI/uvicorn → aiohttp, 4 constant
+  bodies of a step's size in flight, dropped on arrival): the ceiling under ``end_to_end_gbps``;
 * ``node_cache_read_gbps`` — the DataLoader reading steps already in the node daemon's cache,
   every byte copied into a preallocated training buffer (so zero-copy views are not free). The
   cache root is a tmpfs the benchmark mounts with ``huge=within_size`` (the recommended
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import socket
 import subprocess
@@ -43,7 +46,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, bar_chart, huge_tmpfs, print_table, ratio, repeat, write_results  # noqa: E402
+from bench._common import RESULTS, bar_chart, huge_tmpfs, print_table, ratio, repeat, summary, write_results  # noqa: E402
+from bench._http_stack import http_stack  # noqa: E402
 from dataserver.ingest import IngestConfig, ingest  # noqa: E402
 from trainer_client import DataLoader  # noqa: E402
 from trainer_client.local_cluster import LocalCluster  # noqa: E402
@@ -181,6 +185,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     figures["memcpy_gbps"] = repeat(lambda: memcpy_gbps(min(step_bytes * 64, 1 << 30)), args.repeats)
     figures["loopback_tcp_gbps"] = repeat(lambda: loopback_tcp_gbps(args.steps * step_bytes), args.repeats)
+    stack = [http_stack(step_bytes, args.steps * step_bytes) for _ in range(args.repeats)]
+    figures["http_stack_gbps"] = summary([gbps for gbps, _ in stack])
+    figures["http_stack_cpu_s_per_gb"] = summary([cpu for _, cpu in stack])
+    cores = os.cpu_count() or 1
+    # the whole path's ceiling: the stack's CPU plus three copies per byte, on every core, nothing else
+    figures["end_to_end_bound_gbps"] = summary([cores / (cpu + 3 / figures["memcpy_gbps"]["median"]) for _, cpu in stack])
 
     token = secrets.token_hex(16)
     runs = iter(range(10_000))
@@ -260,6 +270,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     checks: dict[str, Any] = {
         "node_cache_read_vs_memcpy": {"ratio": ratio(f["node_cache_read_gbps"], f["memcpy_gbps"]), "target": ">= 0.5"},
         "end_to_end_vs_loopback_tcp": {"ratio": ratio(f["end_to_end_gbps"], f["loopback_tcp_gbps"]), "target": ">= 0.7"},
+        # what the stack alone reaches: no end-to-end path built on it can beat this ratio
+        "http_stack_vs_loopback_tcp": {"ratio": ratio(f["http_stack_gbps"], f["loopback_tcp_gbps"]), "target": "(the stack alone)"},
+        "end_to_end_bound_vs_loopback_tcp": {"ratio": ratio(f["end_to_end_bound_gbps"], f["loopback_tcp_gbps"]), "target": "(ceiling of end_to_end_vs_loopback_tcp)"},
+        "end_to_end_vs_http_stack": {"ratio": ratio(f["end_to_end_gbps"], f["http_stack_gbps"]), "target": "(reported)"},
         "node_cache_read_vs_torch_local": {"ratio": ratio(f["node_cache_read_gbps"], f["torch_dataloader_local_gbps"]), "target": "> 1"},
         "end_to_end_vs_torch_local": {"ratio": ratio(f["end_to_end_gbps"], f["torch_dataloader_local_gbps"]), "target": "> 1"},
     }
@@ -274,6 +288,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table([
         ("memcpy_gbps", f["memcpy_gbps"], "(machine limit)"),
         ("loopback_tcp_gbps", f["loopback_tcp_gbps"], "(machine limit)"),
+        ("http_stack_gbps", f["http_stack_gbps"], f"{ratio(f['http_stack_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (FastAPI -> aiohttp alone)"),
+        ("http_stack_cpu_s_per_gb (CPU s/GB)", f["http_stack_cpu_s_per_gb"], "server + client together"),
+        ("end_to_end_bound_gbps", f["end_to_end_bound_gbps"], f"{ratio(f['end_to_end_bound_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (all cores, stack + 3 copies, no other work)"),
         ("node_cache_read_gbps", f["node_cache_read_gbps"], f"{ratio(f['node_cache_read_gbps'], base):.2f} x memcpy (target >= 0.5)"),
         *([("node_cache_read_4k_pages_gbps", f["node_cache_read_4k_pages_gbps"], f"{ratio(f['node_cache_read_4k_pages_gbps'], base):.2f} x memcpy (cache root on /dev/shm)")] if "node_cache_read_4k_pages_gbps" in f else []),
         ("end_to_end_gbps", f["end_to_end_gbps"], f"{ratio(f['end_to_end_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (target >= 0.7)"),

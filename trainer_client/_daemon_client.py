@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import select
 import socket
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,17 @@ class DaemonClient:
         self._unread = 0  # replies to requests sent with send(), read before the next call's
 
     def send(self, **msg: Any) -> None:
-        """Send a request whose reply is read (and checked) later, before the next ``call``'s."""
+        """Send a request whose reply is read (and checked) later: here, once it has arrived,
+        or before the next ``call``'s."""
         self._write(msg)
         self._unread += 1
+        # Take the replies already here, never waiting for one. A reader whose steps are all
+        # cached only ever sends; replies left unread filled the socket after ~1,000 steps, the
+        # daemon's writer then blocked and it stopped reading this connection (cursor frozen,
+        # prefetch stalled) until the reader's next blocking call.
+        while self._unread and select.select([self._sock], [], [], 0)[0]:
+            self._read(msg)
+            self._unread -= 1
 
     def call(self, **msg: Any) -> dict[str, Any]:
         self._write(msg)

@@ -36,7 +36,7 @@ def test_checkpoint_smoke(tmp_path: Path) -> None:
 def test_overhead_smoke(tmp_path: Path) -> None:
     from bench import overhead
 
-    out = overhead.main(["--repeats", "1", "--steps", "1", "--batch", "32", "--results-dir", str(tmp_path), "--out", "oh"])
+    out = overhead.main(["--rounds", "1", "--steps", "1", "--batch", "32", "--results-dir", str(tmp_path), "--out", "oh"])
     assert out["targets"]["overhead_ratio"]["ratio"] > 0
 
 

@@ -287,3 +287,27 @@ def test_cached_steps_use_huge_pages_on_a_huge_tmpfs(tmp_path: Path, data_dir: P
     step = root / "j1" / "data" / "0" / "000000000003.arrow"  # the last two read are kept
     assert _pmd_mapped_kib(step) >= 2048, "the cached step is on 4 KiB pages: was it written without its final size first?"
     loader.close()
+
+
+def test_a_reader_of_cached_steps_keeps_the_daemon_reading(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    """A reader whose every step is already cached only sends ``get``s: their replies must not
+    pile up unread, or the daemon's writer blocks on the full socket and the reader's cursor
+    (which drives prefetch and eviction) freezes part-way."""
+    import httpx
+
+    steps = 1500
+    create_job(dataserver, max_steps=steps)
+    daemon = start_daemon("--window", str(steps))
+    loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", timeout_s=30)
+    batches = iter(loader)
+    next(batches)
+    until(lambda: _cached(daemon, steps), timeout_s=120, what=f"{steps} steps cached")
+    for _ in batches:
+        pass
+    assert loader.source == "daemon"
+
+    def cursor() -> list[int]:
+        return list(httpx.get(daemon.url + "/v1/cache").json()["streams"][0]["reader_steps"])
+
+    until(lambda: cursor() == [steps - 1], timeout_s=10, what=f"the daemon to see the reader at step {steps - 1} (it is at {cursor()})")
+    loader.close()
