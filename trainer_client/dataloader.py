@@ -145,7 +145,7 @@ class DataLoader:
             return self._source.get(step)
 
     def _get(self, step: int) -> Step:
-        """Step ``step``, fetched by the look-ahead thread, which then starts on ``step + 1``.
+        """Step ``step``, fetched by the look-ahead thread (``_prefetch`` starts it on the next).
 
         Every source call happens on that one thread, so sources need no locking; its
         exceptions re-raise here, in the training thread.
@@ -161,10 +161,18 @@ class DataLoader:
             result = fut.result(timeout=self.timeout_s)
         except FutureTimeout as exc:
             raise FFTimeoutError(f"step {step} of job {self.job!r} dp_rank {self.dp_rank} not ready after {self.timeout_s}s") from exc
-        nxt = step + 1
-        if self.end_step is None or nxt < self.end_step:
-            self._ahead = (nxt, self._pool.submit(self._fetch, nxt))
         return result
+
+    def _prefetch(self, step: int) -> None:
+        """Start the look-ahead thread on ``step``. Called once the training thread has done
+        its own Python for the current step (tensor views, events): the thread takes the GIL
+        for its own Python as soon as it wakes, so started earlier it ran while the training
+        thread waited for the GIL rather than while it computed. Measured on cached 4 MiB
+        steps: 0.66 → 0.56–0.61 ms per step when the consumer sleeps 0.4 ms; 0.88 → 0.85 ms
+        when it copies the step (then the thread's work shares a core with the copy)."""
+        assert self._pool is not None
+        if self.end_step is None or step < self.end_step:
+            self._ahead = (step, self._pool.submit(self._fetch, step))
 
     # --- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -178,6 +186,7 @@ class DataLoader:
             if events_on():
                 emit("batch", step=step, digest=xxhash.xxh3_64_hexdigest(step_bytes.buffer))  # the chaos soak's exactly-once check
             self._next_step = step + 1
+            self._prefetch(step + 1)
             yield self.transform(out) if self.transform else out
 
     def __len__(self) -> int:
