@@ -87,6 +87,7 @@ class Modes:
         self.loop, self.work, self.job = loop, work, job
         self.ck = Checkpointer(job, socket_path=socket)
         self.pending: Any = None  # the last dcp.async_save
+        self.dcp_dirs: list[Path] = []
         self.step = 0
 
     def block(self, mode: str, steps: int) -> list[float]:
@@ -105,11 +106,12 @@ class Modes:
             elif mode == "dcp_async":
                 if self.pending is not None:
                     self.pending.result()
-                self.pending = dcp.async_save(self.loop.state(self.step), checkpoint_id=str(self.work / f"dcp-{self.job}-{self.step}"))
+                self.dcp_dirs.append(self.work / f"dcp-{self.job}-{self.step}")
+                self.pending = dcp.async_save(self.loop.state(self.step), checkpoint_id=str(self.dcp_dirs[-1]))
             if i:
                 times.append(time.perf_counter() - t)
-            if mode == "dcp_async":  # untimed: a job would keep its checkpoints
-                shutil.rmtree(self.work / f"dcp-{self.job}-{self.step - 2}", ignore_errors=True)
+            while len(self.dcp_dirs) > 2:  # untimed; kept: the one being written and the newest done
+                shutil.rmtree(self.dcp_dirs.pop(0), ignore_errors=True)
         return times
 
     def close(self) -> None:
