@@ -126,7 +126,7 @@ class System(LocalJobs):
                     self.lose_node(job, nodes)
                 # the newest step done when the failure hit (read after it: a line stamped before
                 # ``failed_at`` may land in its file a moment later)
-                saved_before = max(e["step"] for e in self.events(job) if e["kind"] == "saved" and since <= e["t"] <= failed_at)
+                saved_before = max(self.saved_steps(since, job, until=failed_at).values())
                 self.wait_steps(job, nodes, saved_before + 1, failed_at)  # caught up
                 out.append(self.timeline(kind, failed_at, self.detected(job, failed_at) or failed_at, saved_before, job))
                 print(f"  {self.name:18s} {kind:15s} first step after {out[-1]['seconds']['first_step']:6.2f} s, lost {out[-1]['steps_lost']}, caught up after {out[-1]['seconds']['caught_up']:6.2f} s", flush=True)

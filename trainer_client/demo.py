@@ -40,21 +40,25 @@ class Demo(LocalJobs):
         since = time.time()
         nodes = self.launch_job("demo", [0, 1])
         self.wait_step(nodes, self.steps // 4, since)
-        saved_before = max(self.saved_steps(since).values())
         victim = self.worker_pid("n0", since)
         failed_at = time.time()
         os.kill(victim, signal.SIGKILL)  # torchrun restarts n0's workers, and n1's through the rendezvous
         detected_at = self.until(lambda: any(w.get("pid") == victim for w in self.status("demo").get("worker_exits", [])))
+        # the newest step saved when the failure hit, read after it: saves go on until the kill
+        # (read before, a step saved in between counted as -1 lost), and a line stamped before
+        # ``failed_at`` may land in its file a moment later
+        saved_before = max(self.saved_steps(since, until=failed_at).values())
         self.wait_step(nodes, saved_before + 2, failed_at)
         worker = self.timeline("worker SIGKILL", failed_at, detected_at, saved_before)
 
         print("[3/4] node n1 lost (its torchrun, workers, daemon and shared memory); a replacement joins", flush=True)
         self.wait_step(nodes, self.steps // 2, failed_at)
-        saved_before = max(self.saved_steps(failed_at).values())
+        since = failed_at
         failed_at = time.time()
         nodes[1].kill()
         self.cluster.lose_node(1)
         detected_at = self.until(lambda: "n1" in self.status("demo").get("dead", []))
+        saved_before = max(self.saved_steps(since, until=failed_at).values())
         self.cluster.start_daemon(index=2, budget_mb=512)
         self.until(lambda: "n2" in self.status("demo").get("ring", []))
         nodes[1] = self.launch("demo", 2, nodes[0].endpoint, "demo")  # ranks are re-assigned by the rendezvous

@@ -92,11 +92,11 @@ class LocalJobs:
         endpoint = f"127.0.0.1:{_free_port()}"
         return [self.launch(job, d, endpoint, job, nnodes=len(daemons)) for d in daemons]
 
-    def saved_steps(self, since: float, job: str | None = None) -> dict[int, int]:
-        """rank → newest step it saved (of ``job``) after ``since``."""
+    def saved_steps(self, since: float, job: str | None = None, until: float = float("inf")) -> dict[int, int]:
+        """rank → newest step it saved (of ``job``) between ``since`` and ``until``."""
         newest: dict[int, int] = {}
         for e in self.events(job):
-            if e["kind"] == "saved" and e["t"] >= since:
+            if e["kind"] == "saved" and since <= e["t"] <= until:
                 newest[e["rank"]] = max(newest.get(e["rank"], -1), e["step"])
         return newest
 
