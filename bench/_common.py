@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import platform
 import statistics
@@ -13,6 +14,14 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) a process, or one of its threads, has used."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summary(samples: list[float]) -> dict[str, Any]:

@@ -13,13 +13,14 @@ whole path could reach with no other overhead at all.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
 import time
 
 import aiohttp
+
+from bench._common import cpu_s
 
 GB = 1e9
 
@@ -46,11 +47,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 async def _read_all(url: str, body_bytes: int, requests: int, in_flight: int, server_pid: int) -> tuple[float, float]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=in_flight * 2)) as session:
         gate = asyncio.Semaphore(in_flight)
@@ -64,9 +60,9 @@ async def _read_all(url: str, body_bytes: int, requests: int, in_flight: int, se
                     raise RuntimeError(f"short body: {got} of {body_bytes} bytes")
 
         await asyncio.gather(*(one() for _ in range(in_flight)))  # connections open, pages warm
-        t, cpu = time.perf_counter(), time.process_time() + _cpu_s(server_pid)
+        t, cpu = time.perf_counter(), time.process_time() + cpu_s(server_pid)
         await asyncio.gather(*(one() for _ in range(requests)))
-        seconds, cpu = time.perf_counter() - t, time.process_time() + _cpu_s(server_pid) - cpu
+        seconds, cpu = time.perf_counter() - t, time.process_time() + cpu_s(server_pid) - cpu
         gb = requests * body_bytes / GB
         return gb / seconds, cpu / gb
 

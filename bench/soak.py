@@ -139,10 +139,9 @@ class Soak(LocalJobs):
                 break
             failed_at = self.inject(kind, nodes)
             recovered = self.progressed(nodes, saved_before + 1, failed_at, timeout_s=self.recovery_timeout_s)
-            events = self.events(JOB)
-            restored = [e for e in events if e["kind"] == "restored" and e["t"] >= failed_at]
+            restored = [e for e in self.events(JOB) if e["kind"] == "restored" and e["t"] >= failed_at]
             # the newest step done when the failure hit (training went on while it was chosen)
-            done_before = max([saved_before, *(e["step"] for e in events if e["kind"] == "saved" and started <= e["t"] <= failed_at)])
+            done_before = max(self.saved_steps(started, JOB, until=failed_at).values())
             rec = {
                 "kind": kind, "recovered": recovered, "saved_before": done_before,
                 "restored_step": restored[0]["step"] if restored else None,

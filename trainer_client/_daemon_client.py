@@ -10,6 +10,8 @@ from typing import Any
 
 from trainer_client.errors import FFTimeoutError, TransportError, for_status
 
+_COLLECT_AFTER = 32  # unread replies (~100 bytes each) before send() collects the arrived ones
+
 
 class DaemonClient:
     def __init__(self, socket_path: Path, timeout_s: float) -> None:
@@ -30,13 +32,15 @@ class DaemonClient:
         or before the next ``call``'s."""
         self._write(msg)
         self._unread += 1
-        # Take the replies already here, never waiting for one. A reader whose steps are all
-        # cached only ever sends; replies left unread filled the socket after ~1,000 steps, the
-        # daemon's writer then blocked and it stopped reading this connection (cursor frozen,
-        # prefetch stalled) until the reader's next blocking call.
-        while self._unread and select.select([self._sock], [], [], 0)[0]:
-            self._read(msg)
-            self._unread -= 1
+        # Now and then take the replies already here, never waiting for one. A reader whose
+        # steps are all cached only ever sends; replies left unread filled the socket after
+        # ~1,000 steps, the daemon's writer then blocked and it stopped reading this connection
+        # (cursor frozen, prefetch stalled) until the reader's next blocking call. Every
+        # ``_COLLECT_AFTER`` sends, not every one: this runs once per batch.
+        if self._unread >= _COLLECT_AFTER:
+            while self._unread and select.select([self._sock], [], [], 0)[0]:
+                self._read(msg)
+                self._unread -= 1
 
     def call(self, **msg: Any) -> dict[str, Any]:
         self._write(msg)

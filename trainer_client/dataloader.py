@@ -167,9 +167,8 @@ class DataLoader:
         """Start the look-ahead thread on ``step``. Called once the training thread has done
         its own Python for the current step (tensor views, events): the thread takes the GIL
         for its own Python as soon as it wakes, so started earlier it ran while the training
-        thread waited for the GIL rather than while it computed. Measured on cached 4 MiB
-        steps: 0.66 → 0.56–0.61 ms per step when the consumer sleeps 0.4 ms; 0.88 → 0.85 ms
-        when it copies the step (then the thread's work shares a core with the copy)."""
+        thread waited for the GIL rather than while it computed (bench/reader_steps.py measures
+        the wait; docs/decisions.md, "Data path, third pass")."""
         assert self._pool is not None
         if self.end_step is None or step < self.end_step:
             self._ahead = (step, self._pool.submit(self._fetch, step))

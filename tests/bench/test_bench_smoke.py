@@ -15,7 +15,7 @@ def test_data_path_smoke(tmp_path: Path) -> None:
         "--repeats", "1", "--no-mosaic", "--work", str(tmp_path / "work"), "--results-dir", str(tmp_path), "--out", "dp",
     ])
     saved = json.loads((tmp_path / "dp.json").read_text())
-    for name in ("memcpy_gbps", "loopback_tcp_gbps", "node_cache_read_gbps", "end_to_end_gbps", "torch_dataloader_local_gbps"):
+    for name in ("memcpy_gbps", "loopback_tcp_gbps", "http_stack_gbps", "end_to_end_bound_gbps", "node_cache_read_gbps", "end_to_end_gbps", "torch_dataloader_local_gbps"):
         assert saved["figures"][name]["median"] > 0, name
     assert set(out["targets"]) >= {"node_cache_read_vs_memcpy", "end_to_end_vs_loopback_tcp"}
     if os.geteuid() == 0:  # it could mount the huge-page tmpfs, so it also measured /dev/shm
@@ -97,3 +97,12 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
     out = step_cost.main(["--steps", "20", "--repeats", "1", "--variants", "plain,ffplane,no_save", "--results-dir", str(tmp_path)])
     assert all(out["figures"][f"steps_per_min_{v}"]["median"] > 0 for v in ("plain", "ffplane", "no_save"))
     assert set(out["targets"]) == {"ffplane_vs_plain", "no_save_vs_plain"}
+
+
+def test_reader_steps_smoke(tmp_path: Path) -> None:
+    from bench import reader_steps
+
+    out = reader_steps.main(["--gib", "0.02", "--batch", "32", "--seq", "256", "--steps", "8", "--repeats", "1",
+                             "--work", str(tmp_path / "data"), "--huge", "off", "--results-dir", str(tmp_path), "--out", "rs"])
+    assert out["figures"]["copy_step_ms"]["median"] > 0
+    assert 0 <= out["figures"]["copy_ahead_fraction"]["median"] <= 1

@@ -1,0 +1,132 @@
+"""What a cached step costs the reader beyond its copy, and the daemon per ``get``.
+
+    python bench/reader_steps.py               # 192 cached 4 MiB steps x 3 repeats per consumer (~2 min)
+    python bench/reader_steps.py --steps 16 --repeats 1 --gib 0.05   # smoke size
+
+The node cache holds every step of a job (4 MiB of int32 tokens each, on a ``huge=within_size``
+tmpfs when root); the DataLoader then reads them with two consumers in turn: ``copy`` copies
+each batch into a training buffer (as bench/data_path.py's node-cache read does) and ``sleep``
+sleeps as long as that copy takes (a step that computes without touching memory). Per consumer:
+
+* ``step_ms`` — wall time per step; ``copy_ms`` — the consumer's own part (the baseline);
+* ``gap_ms`` — the time the training thread spends in ``next()`` between two consumer parts;
+* ``ahead_fraction`` — steps whose look-ahead fetch started before the training thread asked;
+* ``daemon_cpu_ms_per_get`` — the node daemon's CPU per step read (its ``get`` handling).
+
+Results: ``bench/results/reader_steps.json``. docs/decisions.md ("Data path, third pass") reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import RESULTS, cpu_s, huge_tmpfs, print_table, ratio, summary, write_results  # noqa: E402
+from bench.data_path import _create_job, _wait_cached, make_dataset  # noqa: E402
+from trainer_client import DataLoader  # noqa: E402
+from trainer_client.local_cluster import LocalCluster  # noqa: E402
+
+
+class _Traced(DataLoader):
+    """Stamps when the look-ahead thread starts each step's fetch (measurement only)."""
+
+    started: dict[int, float]
+
+    def _fetch(self, step: int) -> Any:
+        self.started[step] = time.perf_counter()
+        return super()._fetch(step)
+
+
+def _read(loader: _Traced, consumer: str, copy_s: float, batch: int, seq: int) -> dict[str, float]:
+    buf = torch.ones((batch, seq), dtype=torch.int32)
+    asked: dict[int, float] = {}
+    parts: list[tuple[float, float]] = []
+    it = iter(loader)
+    t0 = time.perf_counter()
+    while True:
+        step = loader.next_step
+        asked[step] = time.perf_counter()
+        try:
+            b = next(it)
+        except StopIteration:
+            break
+        a = time.perf_counter()
+        if consumer == "copy":
+            buf.copy_(b["tokens"])
+        else:
+            time.sleep(copy_s)
+        parts.append((a, time.perf_counter()))
+    n = len(parts)
+    first = min(asked)  # its fetch was started by the caller, before the clock
+    return {
+        "step_ms": (parts[-1][1] - t0) / n * 1e3,
+        "copy_ms": statistics.median(e - a for a, e in parts) * 1e3,
+        "gap_ms": statistics.median(parts[i + 1][0] - parts[i][1] for i in range(n - 1)) * 1e3,
+        "ahead_fraction": sum(1 for s, t in asked.items() if s != first and loader.started.get(s, t) < t) / max(1, n - 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--steps", type=int, default=192, help="cached steps read per repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work", type=Path, default=Path("/tmp/ffplane-bench-data"))
+    p.add_argument("--huge", choices=["auto", "off"], default="auto")
+    p.add_argument("--out", default="reader_steps")
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # as bench/data_path.py's consumer
+    step_bytes = args.batch * args.seq * 4
+    args.work.mkdir(parents=True, exist_ok=True)
+    ds_dir = make_dataset(args.work, args.gib, args.seq)
+    token, run_id = secrets.token_hex(16), secrets.token_hex(3)
+    budget_mb = max(512, 2 * (args.steps + 1) * step_bytes >> 20)
+    samples: dict[str, dict[str, list[float]]] = {c: {} for c in ("copy", "sleep")}
+    copy_s = 0.0
+    with huge_tmpfs(args.work / "shm-huge", budget_mb + 64, args.huge) as huge:
+        with LocalCluster(args.work, ds_dir.parent, token, shm_parent=huge or Path("/dev/shm")) as cluster:
+            ds = cluster.start_dataserver("--log-level", "warning")
+            daemon = cluster.start_daemon("--window", str(args.steps + 1), "--log-level", "warning", budget_mb=budget_mb)
+            for r in range(args.repeats):
+                for consumer in ("copy", "sleep"):  # sleep as long as the copy of this repeat took
+                    job = f"steps-{run_id}-{r}-{consumer}"
+                    _create_job(ds.url, token, job, args.batch, args.steps + 1, seed=r)
+                    loader = _Traced(job, 0, dataserver=ds.url, token=token, socket_path=cluster.socket())
+                    loader.started = {}
+                    next(iter(loader))  # step 0: the daemon starts prefetching the whole job
+                    _wait_cached(daemon.url, job, args.steps + 1)
+                    before = cpu_s(daemon.pid)
+                    got = _read(loader, consumer, copy_s, args.batch, args.seq)
+                    got["daemon_cpu_ms_per_get"] = (cpu_s(daemon.pid) - before) / args.steps * 1e3
+                    loader.close()
+                    if consumer == "copy":
+                        copy_s = got["copy_ms"] / 1e3
+                    for k, v in got.items():
+                        samples[consumer].setdefault(k, []).append(v)
+    figures = {f"{c}_{k}": summary(v) for c, d in samples.items() for k, v in d.items()}
+    checks = {
+        f"{c}_step_vs_copy": {"ratio": ratio(figures[f"{c}_step_ms"], figures["copy_copy_ms"]), "target": "(reported: 1.0 would be a free reader)"}
+        for c in samples
+    }
+    out = write_results(args.out, figures, {"steps": args.steps, "step_bytes": step_bytes, "repeats": args.repeats, "cache_pages": "2 MiB" if huge else "4 KiB"}, checks, args.results_dir)
+    print_table([(k, v, "") for k, v in figures.items()], "ms / fraction")
+    for name, c in checks.items():
+        print(f"  {name:24s} {c['ratio']:6.2f}")
+    print(f"wrote {out}")
+    return {"figures": figures, "targets": checks}
+
+
+if __name__ == "__main__":
+    main()
