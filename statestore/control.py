@@ -36,7 +36,7 @@ from statestore.heartbeat import Heartbeat
 from statestore.names import check_name, check_step
 from statestore.procs import alive
 from statestore.state_service import StateService
-from statestore.slots import SlotError
+from statestore.slots import RESERVED, SlotError
 
 log = logging.getLogger(__name__)
 _MAX_LINE = 64 << 20  # a commit carries the shard header (one entry per tensor)
@@ -158,9 +158,15 @@ class ControlServer:
             job, role, slot = check_name(msg["job"]), check_name(msg["role"]), str(msg["slot"])
             if not isinstance(msg.get("header"), dict):
                 raise ValueError("commit needs a JSON object 'header'")
-            version = await self.state.commit(job, role, check_step(msg["step"]), slot, int(msg["nbytes"]), msg["header"], float(msg.get("save_block_s", 0.0)))
+            static, static_header = str(msg.get("static", "")), msg.get("static_header")
+            if static_header is not None and not (isinstance(static_header, dict) and static):
+                raise ValueError("'static_header' must be a JSON object, sent with its digest 'static'")
+            version = await self.state.commit(
+                job, role, check_step(msg["step"]), slot, int(msg["nbytes"]), msg["header"], float(msg.get("save_block_s", 0.0)),
+                reserved=bool(msg.get("reserved", False)), static=check_name(static) if static else "", static_header=static_header,
+            )
             conn.writing.discard((job, role, slot))
-            return {"ok": True, "checksum": version.checksum}
+            return {"ok": True, "checksum": version.checksum, "next": self._reserve(job, role, conn)}
         if op == "restorable":
             below = msg.get("below")
             roles, at = msg.get("roles"), msg.get("step")
@@ -177,6 +183,16 @@ class ControlServer:
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}; expected open, get, invalidate, alloc, begin, abort, commit, restorable, verify or ping")
 
+
+    def _reserve(self, job: str, role: str, conn: _Conn) -> dict[str, str] | None:
+        """The slot for this role's next save, handed out with the commit reply: the save then
+        needs no ``begin`` round trip (see docs/decisions.md, "One request per save")."""
+        try:
+            slot = self.state.begin(job, role, RESERVED)
+        except SlotError:
+            return None  # none free now (a durable copy holds it): the next save sends 'begin'
+        conn.writing.add((job, role, slot))
+        return {"slot": slot, "path": str(self.state.root / slot)}
 
     def _register(self, rid: int, conn: _Conn, **what: object) -> None:
         if self.heartbeat is not None:

@@ -55,8 +55,9 @@ class StateService:
         # a slot still being copied to the durable tier must not be overwritten
         return self.slots.begin(job, role, step, exclude=set(self._pinned))
 
-    async def commit(self, job: str, role: str, step: int, slot: str, nbytes: int, header: dict[str, Any], save_block_s: float) -> Version:
-        version = await self.slots.commit(job, role, step, slot, nbytes, header, save_block_s)
+    async def commit(self, job: str, role: str, step: int, slot: str, nbytes: int, header: dict[str, Any], save_block_s: float, **how: Any) -> Version:
+        """Commit ``step`` (``how``: ``SlotStore.commit``'s reservation and static-header options)."""
+        version = await self.slots.commit(job, role, step, slot, nbytes, header, save_block_s, **how)
         self.replicas.drop_pulled(job, below=step)
         if self.replicator is not None:
             self.replicator.committed(job, role, step)

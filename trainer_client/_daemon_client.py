@@ -42,6 +42,18 @@ class DaemonClient:
                 self._read(msg)
                 self._unread -= 1
 
+    def post(self, **msg: Any) -> None:
+        """Send a request whose reply the caller reads with ``reply`` before any other call."""
+        self._write(msg)
+
+    def replied(self) -> bool:
+        """Whether a reply has arrived (never waits)."""
+        return bool(select.select([self._sock], [], [], 0)[0])
+
+    def reply(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The reply to ``msg``, sent with ``post``."""
+        return self._read(msg)
+
     def call(self, **msg: Any) -> dict[str, Any]:
         self._write(msg)
         while self._unread:

@@ -11,14 +11,14 @@ state from the dp group's shards; ``restore(into=state)`` copies into the caller
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -54,6 +54,16 @@ class Restored:
     step: int
     state: Any
     source: str  # "memory" or "durable"
+
+
+@dataclass(frozen=True)
+class _Grant:
+    """A slot the daemon gave this role for one save: by ``begin``, or reserved in the previous
+    commit's reply (``reserved``)."""
+
+    slot: str  # relative to the daemon's root: how requests name it
+    path: str  # absolute: where this process maps it
+    reserved: bool
 
 
 class _Slot:
@@ -113,8 +123,13 @@ class Checkpointer:
         self._lock = threading.Lock()  # one request at a time on the daemon connection
         self._slots: dict[str, _Slot] = {}
         self._slot_size = 0
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-commit-{job}-{self.layout.role}")
-        self._inflight: Future[str] | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-verify-{job}-{self.layout.role}")  # restore only
+        self._pending: dict[str, Any] | None = None  # the commit sent, its reply not read yet
+        self._failed: FFPlaneError | None = None  # a commit that failed, for the next save or wait
+        self._reserved: _Grant | None = None  # the slot the last commit reply handed out
+        self._static: dict[str, Any] = {}  # the header's static part the daemon has (and its digest)
+        self._static_digest = ""
+        self._encoded: Encoded | None = None  # the last save's, whose storage views encode reuses
         self.last_save_block_s = 0.0
         self.saves = self.skipped = 0
         # Which run segment this state belongs to: 0 for a fresh job, then a hash of the restored
@@ -129,58 +144,57 @@ class Checkpointer:
 
     def _call(self, **msg: Any) -> dict[str, Any]:
         with self._lock:
-            for attempt in (0, 1):
-                if self._client is None:
-                    self._client = DaemonClient(self.socket_path, self.timeout_s)
-                try:
-                    return self._client.call(**msg)
-                except FFTimeoutError:
-                    self._client = None  # closed by the client: a late reply must not be misread
+            self._collect(block=True)  # its reply comes first on the connection
+            return self._call_locked(msg)
+
+    def _call_locked(self, msg: dict[str, Any]) -> dict[str, Any]:
+        for attempt in (0, 1):
+            if self._client is None:
+                self._client = DaemonClient(self.socket_path, self.timeout_s)
+            try:
+                return self._client.call(**msg)
+            except FFTimeoutError:
+                self._client = None  # closed by the client: a late reply must not be misread
+                raise
+            except TransportError:
+                # the daemon restarted (it reattaches slots and versions): reconnect once.
+                # A commit is repeated only into a reserved slot, which the new daemon can
+                # adopt; a begun one it never knew of.
+                self._client.close()
+                self._client = None
+                if attempt or (msg.get("op") == "commit" and not msg.get("reserved")):
                     raise
-                except TransportError:
-                    # the daemon restarted (it reattaches slots and versions): reconnect once
-                    self._client.close()
-                    self._client = None
-                    if attempt or msg.get("op") == "commit":
-                        raise
-            raise AssertionError("unreachable")
+        raise AssertionError("unreachable")
 
     # --- save ----------------------------------------------------------------------------
     def save(self, step: int, state: Any) -> bool:
         """Checkpoint ``state`` as the state after optimizer step ``step``; False if skipped."""
-        if self._inflight is not None:
-            if not self._inflight.done() and self.on_busy == "skip":
+        with self._lock:
+            if not self._collect(block=self.on_busy == "wait"):
                 self.skipped += 1
                 return False
-            inflight, self._inflight = self._inflight, None
-            inflight.result(timeout=self.timeout_s)  # re-raises a failed commit here, once
+        self._raise_failed()
         started = time.perf_counter()
-        enc = encode(state, self.private_keys)
+        enc = self._encoded = encode(state, self.private_keys, self._encoded)
         replicated = enc.stream_nbytes["replicated"]
         lo, hi = slice_of(replicated, self.layout.dp, self.layout.dp_rank)
         private = enc.stream_nbytes["private"]
         nbytes = private + hi - lo
         if nbytes > self._slot_size or not self._slots:
             self._allocate(nbytes)
+        slot, self._reserved = self._reserved, None
+        if slot is None or slot.path not in self._slots:
+            slot = self._begin_slot(step, nbytes)
         try:
-            slot = self._begin(step)
-        except FFPlaneError as exc:
-            if getattr(exc, "status", None) != 412:
-                raise
-            self._allocate(nbytes)  # the daemon lost our slots (a new node, a wiped tmpfs)
-            slot = self._begin(step)
-        try:
-            if slot["path"] not in self._slots:
-                self._allocate(nbytes)
-            self._copy_into(slot["path"], enc, lo, hi, private)
+            self._copy_into(slot.path, enc, lo, hi, private)
         except BaseException:
             try:  # give the slot back, or every later save would find none free
-                self._call(op="abort", job=self.job, role=self.role, slot=slot["slot"])
+                self._call(op="abort", job=self.job, role=self.role, slot=slot.slot)
             except FFPlaneError:
                 pass
             raise
         self.last_save_block_s = time.perf_counter() - started
-        header = {
+        static = enc.static_header() | {
             "role": self.role,
             "layout": asdict(self.layout),
             "layout_roles": self.layout.all_roles(),
@@ -189,9 +203,7 @@ class Checkpointer:
             "unique_nbytes": private + replicated,
             "lineage": self.lineage,
         }
-        # The tensor part of the header is built on the commit thread: the training thread's
-        # share of a save is the encode walk, the begin round trip and the copy.
-        self._inflight = self._pool.submit(self._commit, step, slot["slot"], nbytes, enc, header, self.last_save_block_s)
+        self._post_commit(step, slot, nbytes, enc.tree, static)
         self.saves += 1
         emit("saved", step=step)
         return True
@@ -215,14 +227,33 @@ class Checkpointer:
             self._copiers = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix=f"ffplane-copy-{self.role}")
         return self._copiers
 
+    def _begin_slot(self, step: int, nbytes: int) -> _Grant:
+        """A slot for ``step`` when no commit reply reserved one (the first save, a busy slot)."""
+        try:
+            slot = self._begin(step)
+        except FFPlaneError as exc:
+            if getattr(exc, "status", None) != 412:
+                raise
+            self._allocate(nbytes)  # the daemon lost our slots (a new node, a wiped tmpfs)
+            slot = self._begin(step)
+        if slot["path"] not in self._slots:
+            self._allocate(nbytes)
+        return _Grant(slot["slot"], slot["path"], reserved=False)
+
     def _allocate(self, nbytes: int) -> None:
+        if self._reserved is not None:  # a slot of the old size: give it back
+            reserved, self._reserved = self._reserved, None
+            try:
+                self._call(op="abort", job=self.job, role=self.role, slot=reserved.slot)
+            except FFPlaneError:
+                pass  # the daemon forgot it anyway (restarted)
         reply = self._call(op="alloc", job=self.job, role=self.role, nbytes=nbytes)
         for s in self._slots.values():
             s.close()
         self._slots = {p: _Slot(p) for p in reply["paths"]}
         self._slot_size = min(s.mm.size() for s in self._slots.values())
 
-    def _begin(self, step: int) -> dict[str, Any]:
+    def _begin(self, step: int) -> dict[str, str]:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -232,29 +263,95 @@ class Checkpointer:
                     raise
                 time.sleep(0.01)
 
-    def _commit(self, step: int, slot: str, nbytes: int, enc: Encoded, extra: dict[str, Any], block_s: float) -> str:
-        header = enc.header() | extra
+    def _post_commit(self, step: int, slot: _Grant, nbytes: int, tree: Any, static: dict[str, Any]) -> None:
+        """Send the commit without waiting for it: the daemon checksums and records the slot
+        while training goes on, and its reply is read at the next save (or ``wait``/``settle``).
+        The header's static part (tensors, storages, layout) goes only when it changed."""
+        msg: dict[str, Any] = {
+            "op": "commit", "job": self.job, "role": self.role, "step": step, "slot": slot.slot, "nbytes": nbytes,
+            "header": {"tree": tree}, "save_block_s": self.last_save_block_s, "reserved": slot.reserved,
+        }
+        with self._lock:
+            if static != self._static:
+                self._static = static
+                self._static_digest = _digest(static)
+                msg["static_header"] = static
+            msg["static"] = self._static_digest
+            try:
+                if self._client is None:
+                    self._client = DaemonClient(self.socket_path, self.timeout_s)
+                self._client.post(**msg)
+            except TransportError as exc:
+                self._client = None
+                self._pending = {**msg, "failed": exc}  # resent (if reserved) when collected
+                return
+            self._pending = msg
+
+    def _collect(self, block: bool) -> bool:
+        """Read the pending commit's reply (caller holds the lock); False if it has not arrived
+        and ``block`` is False. A failure is kept for ``_raise_failed``; a daemon that died mid-
+        commit is asked again (a reserved slot survives its restart) or the step is logged as
+        not committed (the previous ones are, and survive in shared memory)."""
+        msg = self._pending
+        if msg is None:
+            return True
+        if "failed" not in msg and not block and not (self._client is not None and self._client.replied()):
+            return False
+        self._pending = None
         try:
-            reply = self._call(op="commit", job=self.job, role=self.role, step=step, slot=slot, nbytes=nbytes, header=header, save_block_s=block_s)
+            if "failed" in msg:
+                raise msg.pop("failed")
+            assert self._client is not None
+            reply: dict[str, Any] | None
+            try:
+                reply = self._client.reply(msg)
+            except FFTimeoutError:
+                self._client = None
+                raise
         except TransportError as exc:
-            # The daemon died mid-commit: this step is not committed (the previous ones are,
-            # and survive in shared memory); the next save goes to the restarted daemon.
-            log.warning("step %d not committed: %s", step, exc, extra={"job": self.job, "role": self.role, "step": step})
-            return ""
-        return str(reply["checksum"])
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            if not msg["reserved"]:
+                log.warning("step %d not committed: %s", msg["step"], exc, extra={"job": self.job, "role": self.role, "step": msg["step"]})
+                return True
+            reply = self._recommit(msg, exc)
+        except FFPlaneError as exc:
+            if getattr(exc, "status", None) != 428:  # 428: the daemon lacks our static header
+                self._failed = exc
+                return True
+            reply = self._recommit(msg, exc)
+        if reply is not None and reply.get("next"):  # the next save's slot: no 'begin' before it
+            self._reserved = _Grant(reply["next"]["slot"], reply["next"]["path"], reserved=True)
+        return True
+
+    def _recommit(self, msg: dict[str, Any], why: FFPlaneError) -> dict[str, Any] | None:
+        """Send a commit again, whole (a restarted daemon, or one missing the static header)."""
+        msg = {**msg, "static_header": self._static}
+        try:
+            return self._call_locked(msg)
+        except TransportError as exc:
+            log.warning("step %d not committed: %s (then %s)", msg["step"], why, exc, extra={"job": self.job, "role": self.role, "step": msg["step"]})
+        except FFPlaneError as exc:
+            self._failed = exc
+        return None
+
+    def _raise_failed(self) -> None:
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
 
     def wait(self) -> None:
         """Block until the last save is committed (raises, once, if its commit failed)."""
-        if self._inflight is not None:
-            inflight, self._inflight = self._inflight, None
-            inflight.result(timeout=self.timeout_s)
+        with self._lock:
+            self._collect(block=True)
+        self._raise_failed()
 
     def settle(self) -> None:
         """Wait until the last save is committed and replicated (never raises: ``save`` and
         ``wait`` report a failed commit)."""
-        inflight = self._inflight
-        if inflight is not None and not inflight.done():
-            futures_wait([inflight], timeout=self.timeout_s)
+        with self._lock:
+            self._collect(block=True)
 
     # --- restore -------------------------------------------------------------------------
     def restore(self, into: Any = None, view: bool = False, agree: bool = True) -> Restored | None:
@@ -411,6 +508,12 @@ class Checkpointer:
                 if self._client is not None:
                     self._client.close()
                     self._client = None
+
+
+def _digest(static: dict[str, Any]) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(json.dumps(static, sort_keys=True).encode())
 
 
 def _group() -> Any:

@@ -28,6 +28,7 @@ _DTYPES = {
         torch.float8_e4m3fn, torch.float8_e5m2,
     )
 }  # fmt: skip
+_NAMES = {d: name for name, d in _DTYPES.items()}
 _TENSOR_TAG = "__ffplane_tensor__"
 
 
@@ -61,12 +62,16 @@ class Encoded:
     tensors: list[TensorRef] = field(default_factory=list)
     tree: Any = None
     stream_nbytes: dict[str, int] = field(default_factory=lambda: {"replicated": 0, "private": 0})
+    by_storage: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (address, bytes) → source
 
     def header(self) -> dict[str, Any]:
+        return {"tree": self.tree, **self.static_header()}
+
+    def static_header(self) -> dict[str, Any]:
+        """The header but the tree: what stays the same from one save to the next."""
         # Field by field, not dataclasses.asdict: asdict deep-copies recursively and cost 1.8 ms
         # per save for an AdamW state of ~60 tensors (65 % of the save's Python time).
         return {
-            "tree": self.tree,
             "tensors": [
                 {"storage": t.storage, "dtype": t.dtype, "shape": t.shape, "stride": t.stride, "storage_offset": t.storage_offset, "requires_grad": t.requires_grad}
                 for t in self.tensors
@@ -80,10 +85,16 @@ def _key(path: tuple[str | int, ...]) -> str:
     return "".join(f"[{p!r}]" for p in path) or "<root>"
 
 
-def encode(state: Any, private_keys: frozenset[str] = frozenset()) -> Encoded:
-    """Walk ``state``; top-level keys in ``private_keys`` go to the private stream."""
+def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Encoded | None = None) -> Encoded:
+    """Walk ``state``; top-level keys in ``private_keys`` go to the private stream.
+
+    ``previous``: the last encode of the same training state, whose uint8 views of storages
+    that are still there are reused (a save encodes the same tensors every step). Safe by
+    construction: a view keeps its storage alive, so no other storage can take its address.
+    """
     enc = Encoded()
     by_storage: dict[tuple[int, int], int] = {}
+    known = previous.by_storage if previous is not None else {}
 
     def walk(node: Any, path: tuple[str | int, ...], stream: str) -> Any:
         if isinstance(node, torch.Tensor):
@@ -112,24 +123,27 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset()) -> Encoded:
         )
 
     def tensor(t: torch.Tensor, path: tuple[str | int, ...], stream: str) -> int:
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
+        dtype = _NAMES.get(t.dtype)
+        if dtype is None:
             raise StateError(f"state{_key(path)} has dtype {t.dtype}, which ffplane cannot save")
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             t = t.detach().cpu()  # GPU state: the blocking part becomes the device-to-host copy
-        if t.is_sparse or t.layout != torch.strided:
+        if t.layout is not torch.strided:
             raise StateError(f"state{_key(path)} is a {t.layout} tensor; save a dense tensor")
         storage = t.untyped_storage()
-        skey = (storage.data_ptr(), storage.nbytes())
+        nbytes = storage.nbytes()
+        skey = (storage.data_ptr(), nbytes)
         sid = by_storage.get(skey)
         if sid is None:
             sid = len(enc.storages)
             offset = enc.stream_nbytes[stream]
-            enc.storages.append(StorageEntry(stream, offset, storage.nbytes()))
-            enc.sources.append(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))
-            enc.stream_nbytes[stream] = offset + -(-storage.nbytes() // ALIGN) * ALIGN
+            enc.storages.append(StorageEntry(stream, offset, nbytes))
+            source = known.get(skey)
+            enc.sources.append(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)) if source is None else source)
+            enc.stream_nbytes[stream] = offset + -(-nbytes // ALIGN) * ALIGN
             by_storage[skey] = sid
-        enc.tensors.append(TensorRef(sid, dtype, [int(x) for x in t.shape], [int(x) for x in t.stride()], int(t.storage_offset()), bool(t.requires_grad)))
+            enc.by_storage[skey] = enc.sources[sid]
+        enc.tensors.append(TensorRef(sid, dtype, list(t.shape), list(t.stride()), int(t.storage_offset()), t.requires_grad))
         return len(enc.tensors) - 1
 
     enc.tree = walk(state, (), "replicated")

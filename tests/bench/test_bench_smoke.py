@@ -106,3 +106,10 @@ def test_reader_steps_smoke(tmp_path: Path) -> None:
                              "--work", str(tmp_path / "data"), "--huge", "off", "--results-dir", str(tmp_path), "--out", "rs"])
     assert out["figures"]["copy_step_ms"]["median"] > 0
     assert 0 <= out["figures"]["copy_ahead_fraction"]["median"] <= 1
+
+
+def test_save_cpu_smoke(tmp_path: Path) -> None:
+    from bench import save_cpu
+
+    out = save_cpu.main(["--saves", "10", "--repeats", "1", "--gap-ms", "1", "--results-dir", str(tmp_path), "--out", "sc"])
+    assert out["figures"]["total_ms"]["median"] > 0 and out["figures"]["floor_ms"]["median"] > 0

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -288,3 +290,66 @@ def test_a_step_saved_by_a_run_the_job_rewound_from_is_never_mixed_in(start_daem
     # step 4 now exists for both roles, from two different runs: it must not be restored
     got = [Checkpointer("job", Layout(dp=2, dp_rank=r), socket_path=sock).restore() for r in range(2)]
     assert [g.step for g in got if g is not None] == [3, 3] and _equal(got[0].state, _state(3))  # type: ignore[union-attr]
+
+
+def _versions(daemon: Proc, role: str = "dp0-pp0-tp0") -> dict[str, object]:
+    return next(r for r in httpx.get(daemon.url + "/v1/state").json()["roles"] if r["role"] == role)
+
+
+def test_a_save_while_the_previous_commit_is_unanswered_waits_or_skips(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon()
+    sock = shm_root / "daemon.sock"
+    skip = Checkpointer("skip", socket_path=sock, on_busy="skip")
+    wait = Checkpointer("wait", socket_path=sock, on_busy="wait")
+    for ck in (skip, wait):
+        ck.save(1, _state(1))
+        ck.wait()
+    os.kill(daemon.pid, signal.SIGSTOP)  # the daemon can take commits in, not answer them
+    try:
+        assert skip.save(2, _state(2)) and wait.save(2, _state(2))  # sent; nothing pending before them
+        assert skip.save(3, _state(3)) is False and skip.skipped == 1  # step 2's commit is unanswered
+        threading.Timer(0.5, os.kill, (daemon.pid, signal.SIGCONT)).start()
+        assert wait.save(3, _state(3))  # blocked until the daemon answered step 2, then saved
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert skip.save(4, _state(4))
+    for ck in (skip, wait):
+        ck.close()
+    steps = {job: [v["step"] for r in httpx.get(daemon.url + "/v1/state").json()["roles"] if r["job"] == job for v in r["versions"]] for job in ("skip", "wait")}
+    assert steps == {"skip": [4, 2, 1], "wait": [3, 2, 1]}
+
+
+def test_the_next_save_s_slot_comes_with_the_commit_and_is_released_with_the_connection(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon()
+    ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
+    ck.save(1, _state(1))
+    ck.wait()
+    assert _versions(daemon)["reserved"] == 1  # handed out with step 1's commit reply
+    for step in (2, 3, 4, 5):  # four saves round the four slots on reserved slots alone
+        ck.save(step, _state(step))
+    ck.close()
+    role = _versions(daemon)
+    assert role["reserved"] == 0 and [v["step"] for v in role["versions"]] == [5, 4, 3]
+    assert len({v["slot"] for v in role["versions"]}) == 3
+
+
+def test_a_changed_state_structure_is_committed_whole_and_both_survive_a_daemon_restart(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon()
+    sock = shm_root / "daemon.sock"
+    grown = lambda step: {**_state(step), "extra": torch.arange(7) + step}  # noqa: E731
+    ck = Checkpointer("job", socket_path=sock)
+    ck.save(1, _state(1))
+    ck.save(2, _state(2))
+    ck.save(3, grown(3))  # new tensors: a new static header, sent with this commit
+    ck.close()
+    daemon.kill(signal.SIGKILL)
+    daemon = start_daemon()  # reattaches the index: per-step trees joined to their static parts
+    assert [v["step"] for v in _versions(daemon)["versions"]] == [3, 2, 1]
+    got = Checkpointer("job", socket_path=sock).restore()
+    assert got is not None and got.step == 3 and _equal(got.state, grown(3))
+    newest = _versions(daemon)["versions"][0]
+    with open(shm_root / newest["slot"], "r+b") as f:
+        f.seek(newest["nbytes"] // 2)
+        f.write(b"\xff" * 16)
+    got = Checkpointer("job", socket_path=sock).restore()  # step 2, with the structure it had
+    assert got is not None and got.step == 2 and _equal(got.state, _state(2))
