@@ -227,6 +227,8 @@ class Replicator:
 
     def committed(self, job: str, role: str, step: int) -> None:
         self._commits[(job, role)] = self._commits.get((job, role), 0) + 1
+        if self.successor is None:
+            return  # nowhere to push (it would only pile up): a new successor gets every newest version (_ring_changed)
         self._pending.setdefault((job, role), set()).add(step)
         self._wake.set()
 
@@ -241,7 +243,7 @@ class Replicator:
         stops answering is declared dead and replaced well within it), then it logs that the
         bound does not hold."""
         rs = self.slots.roles.get((job, role))
-        if self.max_lag <= 0 or rs is None:
+        if self.max_lag <= 0 or rs is None or self._no_peer():
             return
         versions = sorted((s for s in rs.versions if s <= step), reverse=True)
         if len(versions) < self.max_lag:
@@ -252,7 +254,7 @@ class Replicator:
         self._wake.set()
         try:
             while not self._holds(job, role, need):
-                if self.successor is None and self.heartbeat.view.get("successor") is None and not self._waits_for_a_peer():
+                if self._no_peer():
                     return  # no peer to replicate to: nothing to wait for
                 left = self.wait_s - (time.monotonic() - started)
                 if left <= 0:
@@ -269,6 +271,9 @@ class Replicator:
             if waited > 0.001:
                 self.commit_waits += 1
                 self.commit_wait_s += waited
+
+    def _no_peer(self) -> bool:
+        return self.successor is None and self.heartbeat.view.get("successor") is None and not self._waits_for_a_peer()
 
     def _waits_for_a_peer(self) -> bool:
         """Alone in the ring: whether a successor may be back soon (see ``_ALONE_GRACE_S``). A

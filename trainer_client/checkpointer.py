@@ -130,6 +130,7 @@ class Checkpointer:
         self._static: dict[str, Any] = {}  # the header's static part the daemon has (and its digest)
         self._static_digest = ""
         self._encoded: Encoded | None = None  # the last save's, whose storage views encode reuses
+        self._layout_fields: tuple[Layout | None, dict[str, Any]] = (None, {})
         self.last_save_block_s = 0.0
         self.saves = self.skipped = 0
         # Which run segment this state belongs to: 0 for a fresh job, then a hash of the restored
@@ -194,10 +195,7 @@ class Checkpointer:
                 pass
             raise
         self.last_save_block_s = time.perf_counter() - started
-        static = enc.static_header() | {
-            "role": self.role,
-            "layout": asdict(self.layout),
-            "layout_roles": self.layout.all_roles(),
+        static = enc.static_header() | self._layout_header() | {
             "private_nbytes": private,
             "piece": [lo, hi],
             "unique_nbytes": private + replicated,
@@ -217,7 +215,8 @@ class Checkpointer:
                 continue
             a, b = max(entry.offset, lo), min(entry.offset + entry.nbytes, hi)
             if a < b:  # the part of this storage inside this rank's slice
-                jobs.append((dst[private + a - lo : private + b - lo], src[a - entry.offset : b - entry.offset]))
+                part = src if b - a == entry.nbytes else src[a - entry.offset : b - entry.offset]
+                jobs.append((dst[private + a - lo : private + b - lo], part))
         copy_all(jobs, self._copiers_pool(), self.copy_threads)
 
     def _copiers_pool(self) -> ThreadPoolExecutor | None:
@@ -262,6 +261,12 @@ class Checkpointer:
                 if getattr(exc, "status", None) != 409 or time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
+
+    def _layout_header(self) -> dict[str, Any]:
+        if self._layout_fields[0] is not self.layout:  # Layout is frozen: only a new one changes it
+            fields = {"role": self.role, "layout": asdict(self.layout), "layout_roles": self.layout.all_roles()}
+            self._layout_fields = (self.layout, fields)
+        return self._layout_fields[1]
 
     def _post_commit(self, step: int, slot: _Grant, nbytes: int, tree: Any, static: dict[str, Any]) -> None:
         """Send the commit without waiting for it: the daemon checksums and records the slot
