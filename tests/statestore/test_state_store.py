@@ -331,6 +331,8 @@ def test_the_next_save_s_slot_comes_with_the_commit_and_is_released_with_the_con
     role = _versions(daemon)
     assert role["reserved"] == 0 and [v["step"] for v in role["versions"]] == [5, 4, 3]
     assert len({v["slot"] for v in role["versions"]}) == 3
+    replication = httpx.get(daemon.url + "/v1/state").json()["replication"]
+    assert replication is None or replication["pending"] == 0  # alone: nothing queued for a successor
 
 
 def test_a_changed_state_structure_is_committed_whole_and_both_survive_a_daemon_restart(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
