@@ -9,7 +9,10 @@ each batch into a training buffer (as bench/data_path.py's node-cache read does)
 sleeps as long as that copy takes (a step that computes without touching memory). Per consumer:
 
 * ``step_ms`` — wall time per step; ``copy_ms`` — the consumer's own part (the baseline);
-* ``gap_ms`` — the time the training thread spends in ``next()`` between two consumer parts;
+* ``gap_ms`` — the time the training thread spends in ``next()`` between two consumer parts,
+  and of it ``get_ms`` (taking the look-ahead's result), ``to_torch_ms`` (the batch's tensor
+  views), ``prefetch_ms`` (handing the next step to the look-ahead thread) and ``other_ms`` (the
+  rest: the generator and the loop's own Python, run with caches the copy just flushed);
 * ``ahead_fraction`` — steps whose look-ahead fetch started before the training thread asked;
 * ``daemon_cpu_ms_per_get`` — the node daemon's CPU per step read (its ``get`` handling).
 
@@ -37,13 +40,29 @@ from trainer_client.local_cluster import LocalCluster  # noqa: E402
 
 
 class _Traced(DataLoader):
-    """Stamps when the look-ahead thread starts each step's fetch (measurement only)."""
+    """Stamps when the look-ahead thread starts each step's fetch and times the training
+    thread's calls in ``next()`` (measurement only)."""
 
     started: dict[int, float]
+    spent: dict[str, list[float]]
 
     def _fetch(self, step: int) -> Any:
         self.started[step] = time.perf_counter()
         return super()._fetch(step)
+
+    def _timed(self, name: str, fn: Any, *args: Any) -> Any:
+        t = time.perf_counter()
+        out = fn(*args)
+        self.spent.setdefault(name, []).append(time.perf_counter() - t)
+        return out
+
+    def _get(self, step: int) -> Any:
+        step_bytes, batch, meta = self._timed("get", super()._get, step)
+        step_bytes.to_torch = lambda b, f=step_bytes.to_torch: self._timed("to_torch", f, b)
+        return step_bytes, batch, meta
+
+    def _prefetch(self, step: int) -> None:
+        self._timed("prefetch", super()._prefetch, step)
 
 
 def _read(loader: _Traced, consumer: str, copy_s: float, batch: int, seq: int) -> dict[str, float]:
@@ -67,10 +86,14 @@ def _read(loader: _Traced, consumer: str, copy_s: float, batch: int, seq: int) -
         parts.append((a, time.perf_counter()))
     n = len(parts)
     first = min(asked)  # its fetch was started by the caller, before the clock
+    gap = statistics.median(parts[i + 1][0] - parts[i][1] for i in range(n - 1)) * 1e3
+    calls = {f"{k}_ms": statistics.median(v[1:]) * 1e3 for k, v in loader.spent.items()}  # [0]: before the clock
     return {
         "step_ms": (parts[-1][1] - t0) / n * 1e3,
         "copy_ms": statistics.median(e - a for a, e in parts) * 1e3,
-        "gap_ms": statistics.median(parts[i + 1][0] - parts[i][1] for i in range(n - 1)) * 1e3,
+        "gap_ms": gap,
+        **calls,
+        "other_ms": gap - sum(calls.values()),
         "ahead_fraction": sum(1 for s, t in asked.items() if s != first and loader.started.get(s, t) < t) / max(1, n - 1),
     }
 
@@ -104,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     job = f"steps-{run_id}-{r}-{consumer}"
                     _create_job(ds.url, token, job, args.batch, args.steps + 1, seed=r)
                     loader = _Traced(job, 0, dataserver=ds.url, token=token, socket_path=cluster.socket())
-                    loader.started = {}
+                    loader.started, loader.spent = {}, {}
                     next(iter(loader))  # step 0: the daemon starts prefetching the whole job
                     _wait_cached(daemon.url, job, args.steps + 1)
                     before = cpu_s(daemon.pid)
