@@ -17,11 +17,21 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def cpu_s(pid: int, tid: int | None = None) -> float:
-    """CPU seconds (user + system) a process, or one of its threads, has used."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    with open(path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds a process (all its threads), or one of its threads, has run: the scheduler's
+    nanosecond count where the kernel keeps one (``schedstat``), else ``stat``'s 10 ms ticks."""
+    tids = [tid] if tid is not None else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    total = 0.0
+    for t in tids:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0]) / 1e9
+        except FileNotFoundError:  # a thread that ended meanwhile, or no schedstats
+            if tid is not None or not os.path.exists(f"/proc/{pid}/task/{t}"):
+                continue
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def summary(samples: list[float]) -> dict[str, Any]:

@@ -13,6 +13,12 @@ node's training user reaches it. Requests and replies are single JSON lines:
 The connection's last ``get`` is the reader's position: it drives prefetch and eviction. Closing
 the connection (a crashed worker included) removes the reader but keeps its cached steps.
 
+State requests (``Checkpointer``): ``alloc`` (a role's slots), ``begin`` (a slot for a step),
+``commit`` (checksum and record it; the reply carries ``next``, the slot reserved for the role's
+next save, so a steady-state save is this one request, sent without waiting for its reply;
+``static`` names the header's unchanging part, sent as ``static_header`` only when it changes),
+``abort``, ``restorable`` and ``verify``.
+
 A reader may map a published step file without waiting: it sends ``get`` and reads the reply
 later (replies come in request order). Published files never change, so the bytes are the same
 either way, and the daemon still sees every position; the reader saves the round trip's wait

@@ -1,10 +1,12 @@
 """The state API: ``save(step, state)`` after every optimizer step, ``restore()`` on start-up.
 
 ``save`` blocks only for one copy of this role's unique bytes into a daemon slot that was
-allocated and pre-faulted once and is reused; the checksum and the commit run in the daemon,
-waited for by a background thread. At most one commit is in flight: a ``save`` that finds the
-previous one still committing waits for it (``on_busy="wait"``, the default) or returns False
-without saving (``on_busy="skip"``). ``restore()`` returns the newest step every role of the job
+allocated and pre-faulted once and is reused; it then sends ``commit`` and returns. The daemon
+checksums and records the slot while training goes on; its reply (which also hands out the
+slot for the next save, so a save is one request) is read at the next ``save``, ``wait`` or
+``settle`` — no thread of ours waits for it. At most one commit is in flight: a ``save`` that
+finds the previous one unanswered waits for it (``on_busy="wait"``, the default) or returns
+False without saving (``on_busy="skip"``); a commit that failed raises there, once. ``restore()`` returns the newest step every role of the job
 has committed intact (all roles restore the same step), reassembling the razored replicated
 state from the dp group's shards; ``restore(into=state)`` copies into the caller's tensors.
 """
