@@ -6,9 +6,10 @@ checksums and records the slot while training goes on; its reply (which also han
 slot for the next save, so a save is one request) is read at the next ``save``, ``wait`` or
 ``settle`` — no thread of ours waits for it. At most one commit is in flight: a ``save`` that
 finds the previous one unanswered waits for it (``on_busy="wait"``, the default) or returns
-False without saving (``on_busy="skip"``); a commit that failed raises there, once. ``restore()`` returns the newest step every role of the job
-has committed intact (all roles restore the same step), reassembling the razored replicated
-state from the dp group's shards; ``restore(into=state)`` copies into the caller's tensors.
+False without saving (``on_busy="skip"``); a commit that failed raises there, once.
+``restore()`` returns the newest step every role of the job has committed intact (all roles
+restore the same step), reassembling the razored replicated state from the dp group's shards;
+``restore(into=state)`` copies into the caller's tensors.
 """
 
 from __future__ import annotations
@@ -325,7 +326,7 @@ class Checkpointer:
             reply = self._recommit(msg, exc)
         except FFPlaneError as exc:
             if getattr(exc, "status", None) != 428:  # 428: the daemon lacks our static header
-                self._failed = exc
+                self._commit_failed(msg, exc)
                 return True
             reply = self._recommit(msg, exc)
         if reply is not None and reply.get("next"):  # the next save's slot: no 'begin' before it
@@ -340,8 +341,18 @@ class Checkpointer:
         except TransportError as exc:
             log.warning("step %d not committed: %s (then %s)", msg["step"], why, exc, extra={"job": self.job, "role": self.role, "step": msg["step"]})
         except FFPlaneError as exc:
-            self._failed = exc
+            self._commit_failed(msg, exc)
         return None
+
+    def _commit_failed(self, msg: dict[str, Any], exc: FFPlaneError) -> None:
+        """A reserved slot the daemon neither handed out nor could adopt (409), or a role it has
+        no slots for (412), means the daemon came back without our slots (a wiped tmpfs, a new
+        node): the step is not committed and the next save allocates afresh. Anything else is
+        the caller's to hear, at the next save or wait."""
+        if msg["reserved"] and getattr(exc, "status", None) in (409, 412):
+            log.warning("step %d not committed: %s; the daemon lost this role's slots, the next save allocates new ones", msg["step"], exc, extra={"job": self.job, "role": self.role, "step": msg["step"]})
+            return
+        self._failed = exc
 
     def _raise_failed(self) -> None:
         failed, self._failed = self._failed, None

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Callable
@@ -355,3 +356,25 @@ def test_a_changed_state_structure_is_committed_whole_and_both_survive_a_daemon_
         f.write(b"\xff" * 16)
     got = Checkpointer("job", socket_path=sock).restore()  # step 2, with the structure it had
     assert got is not None and got.step == 2 and _equal(got.state, _state(2))
+
+
+def test_a_live_checkpointer_carries_on_when_its_daemon_comes_back_empty(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    """A node's tmpfs wiped under a running job (a replaced node, a reboot of the daemon's pod):
+    the save into a slot the old daemon reserved is not committed, and is not an error; the next
+    save allocates fresh slots."""
+    daemon = start_daemon()
+    sock = shm_root / "daemon.sock"
+    ck = Checkpointer("job", socket_path=sock)
+    ck.save(1, _state(1))
+    ck.save(2, _state(2))
+    ck.wait()
+    daemon.kill(signal.SIGKILL)
+    for child in shm_root.iterdir():  # everything the daemon had: slots, index, socket
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    daemon = start_daemon()
+    ck.save(3, _state(3))  # copied into the old reservation; the new daemon never heard of it
+    ck.save(4, _state(4))
+    ck.close()
+    assert [v["step"] for v in _versions(daemon)["versions"]] == [4]
+    got = Checkpointer("job", socket_path=sock).restore()
+    assert got is not None and got.step == 4 and _equal(got.state, _state(4))
