@@ -4,16 +4,19 @@
     python bench/save_cpu.py --saves 20 --repeats 1  # smoke size
 
 bench/overhead.py's CNN loop keeps both cores busy, so every CPU-millisecond a save costs anywhere
-(the training thread, the client's commit thread, the daemon) is about a millisecond of step time.
+(the training thread, any other thread of the worker, the daemon) is about a millisecond of step
+time.
 This probe saves the same state (``overhead.Loop("cnn")``'s model + AdamW state) with no
 training beside it, only ``--gap-ms`` of busy-looping between saves (a training thread computes
 between saves; one blocked on the daemon's socket instead would make each reply cost a wake-up),
 and reads ``/proc`` CPU times per thread:
 
-* ``save_ms`` — the training thread's CPU in ``save()`` (encode walk, slot, copy);
-* ``commit_thread_ms`` — the client's commit thread; ``copy_threads_ms`` — its helper copiers;
+* ``save_ms`` — the training thread's CPU in ``save()`` (reading the previous commit's reply,
+  the encode walk, the copy, sending the commit);
+* ``worker_other_ms`` — the worker's other threads (torch's intra-op threads splitting a large
+  copy, ffplane's copy threads; a commit thread, in versions that had one);
 * ``daemon_loop_ms`` — the daemon's event loop thread; ``daemon_other_ms`` — its other threads
-  (the checksum runs on one);
+  (large shards are checksummed on one);
 * ``total_ms`` — all of the above, per save.
 
 Baseline in the same run: ``floor_ms`` = one copy of the same bytes into pre-faulted memory plus
@@ -41,6 +44,7 @@ from bench.overhead import Loop  # noqa: E402
 from statestore.checksum import checksum  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
 from trainer_client.local_cluster import LocalCluster  # noqa: E402
+from trainer_client.state_codec import encode  # noqa: E402
 
 
 def _cpu_by_thread(pid: int) -> dict[int, float]:
@@ -60,7 +64,7 @@ def _floor_ms(nbytes: int, times: int) -> float:
     t0 = time.thread_time()
     for _ in range(times):
         dst.copy_(src)
-        checksum(memoryview(dst.numpy()))
+        checksum(dst.numpy().data)
     return (time.thread_time() - t0) / times * 1e3
 
 
@@ -72,7 +76,7 @@ def _spin(seconds: float) -> None:
 
 def _run(ck: Checkpointer, loop: Loop, daemon_pid: int, saves: int, first: int, gap_s: float) -> dict[str, float]:
     me = threading.get_native_id()
-    ck.save(first, loop.state(first))  # threads exist now
+    ck.save(first, loop.state(first))
     ck.wait()
     client0, daemon0 = _cpu_by_thread(os.getpid()), _cpu_by_thread(daemon_pid)
     save_s = 0.0
@@ -86,18 +90,18 @@ def _run(ck: Checkpointer, loop: Loop, daemon_pid: int, saves: int, first: int, 
     ck.wait()
     save_s += time.thread_time() - t  # the last commit's reply
     client1, daemon1 = _cpu_by_thread(os.getpid()), _cpu_by_thread(daemon_pid)
-    names = {t.native_id: t.name for t in threading.enumerate()}  # /proc's comm lacks Python's names
 
     def delta(before: dict[int, float], after: dict[int, float], keep: Any) -> float:
         return sum(v - before.get(tid, 0.0) for tid, v in after.items() if keep(tid))
 
-    commit = delta(client0, client1, lambda tid: names.get(tid, "").startswith("ffplane-commit"))
-    copiers = delta(client0, client1, lambda tid: names.get(tid, "").startswith("ffplane-copy"))
-    loop_s = delta(daemon0, daemon1, lambda tid: tid == daemon_pid)
-    other = delta(daemon0, daemon1, lambda tid: tid != daemon_pid)
-    per = {"save_ms": save_s, "commit_thread_ms": commit, "copy_threads_ms": copiers, "daemon_loop_ms": loop_s, "daemon_other_ms": other}
+    per = {
+        "save_ms": save_s,
+        "worker_other_ms": delta(client0, client1, lambda tid: tid != me),  # between saves only the main thread runs
+        "daemon_loop_ms": delta(daemon0, daemon1, lambda tid: tid == daemon_pid),
+        "daemon_other_ms": delta(daemon0, daemon1, lambda tid: tid != daemon_pid),
+    }
     per = {k: v / saves * 1e3 for k, v in per.items()}
-    per["total_ms"] = per["save_ms"] + per["commit_thread_ms"] + per["copy_threads_ms"] + per["daemon_loop_ms"] + per["daemon_other_ms"]
+    per["total_ms"] = sum(per.values())
     return per
 
 
@@ -126,9 +130,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for k, v in _run(ck, loop, daemon.pid, args.saves, step, args.gap_ms / 1e3).items():
                         samples.setdefault(k, []).append(v)
                     step += args.saves + 1
-                nbytes = ck._slot_size
             finally:
                 ck.close()
+    enc = encode(loop.state(0))
+    nbytes = sum(enc.stream_nbytes.values())
     samples["floor_ms"] = [_floor_ms(nbytes, max(20, args.saves // 4)) for _ in range(args.repeats)]
     figures = {k: summary(v) for k, v in samples.items()}
     checks = {"total_vs_floor": {"ratio": ratio(figures["total_ms"], figures["floor_ms"]), "target": "(reported: 1.0 would be a save that only copies and checksums)"}}

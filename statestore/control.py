@@ -189,7 +189,6 @@ class ControlServer:
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}; expected open, get, invalidate, alloc, begin, abort, commit, restorable, verify or ping")
 
-
     def _reserve(self, job: str, role: str, conn: _Conn) -> dict[str, str] | None:
         """The slot for this role's next save, handed out with the commit reply: the save then
         needs no ``begin`` round trip (see docs/decisions.md, "One request per save")."""

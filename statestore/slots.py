@@ -51,7 +51,7 @@ class Version:
     committed_at: float
     save_block_s: float = 0.0  # the worker's blocking copy, as it reported it
     commit_s: float = 0.0  # checksum + index, in the daemon
-    static: str = ""  # digest of the header's static part, stored once per role (see ``Statics``)
+    static: str = ""  # digest of the header's static part, stored once per role (``RoleState.statics``)
 
     def index_entry(self) -> dict[str, Any]:
         """What the index keeps: with a static digest, only the header's per-step part."""
