@@ -16,22 +16,22 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 
 
-def cpu_s(pid: int, tid: int | None = None) -> float:
-    """CPU seconds a process (all its threads), or one of its threads, has run: the scheduler's
-    nanosecond count where the kernel keeps one (``schedstat``), else ``stat``'s 10 ms ticks."""
-    tids = [tid] if tid is not None else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    total = 0.0
-    for t in tids:
+def cpu_by_thread(pid: int) -> dict[int, float]:
+    """thread id → CPU seconds it has run, from the scheduler's nanosecond counts
+    (``/proc/<pid>/task/<tid>/schedstat``; ``stat`` counts 10 ms ticks)."""
+    out = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
-                total += int(f.read().split()[0]) / 1e9
-        except FileNotFoundError:  # a thread that ended meanwhile, or no schedstats
-            if tid is not None or not os.path.exists(f"/proc/{pid}/task/{t}"):
-                continue
-            with open(f"/proc/{pid}/task/{t}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                out[int(task)] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError):
+            pass  # a thread that just ended
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds all of a process's threads have run."""
+    return sum(cpu_by_thread(pid).values())
 
 
 def summary(samples: list[float]) -> dict[str, Any]:

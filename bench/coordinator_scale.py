@@ -44,7 +44,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, write_results  # noqa: E402
+from bench._common import RESULTS, cpu_s, write_results  # noqa: E402
 from dataserver import coordinator as co  # noqa: E402
 from trainer_client.local_cluster import LocalCluster  # noqa: E402
 
@@ -58,17 +58,6 @@ async def _until_dead(session: aiohttp.ClientSession, url: str, victim: int, t_l
             if not (await r.json())["alive"]:
                 return time.monotonic() - t_last
         await asyncio.sleep(0.02)
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU time of a process's threads, in ns resolution (/proc/<pid>/stat counts 10 ms ticks)."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            total += int(open(f"/proc/{pid}/task/{task}/schedstat").read().split()[0])
-        except (OSError, ValueError):
-            pass  # a thread that just ended
-    return total / 1e9
 
 
 def _body(i: int, step: int = 100) -> dict[str, Any]:
@@ -119,17 +108,17 @@ class Simulator:
 async def _measure_http(url: str, token: str, pid: int, nodes: int, rounds: int, repeats: int) -> dict[str, Any]:
     sim = Simulator(url, token, nodes)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
-        c0 = _cpu_s(pid)
+        c0 = cpu_s(pid)
         await sim.round(session)  # everyone registers
         await sim.round(session)
-        register_cpu = _cpu_s(pid) - c0
+        register_cpu = cpu_s(pid) - c0
         cpu: list[float] = []
         durations: list[float] = []
         for _ in range(repeats):
-            c0 = _cpu_s(pid)
+            c0 = cpu_s(pid)
             for _ in range(rounds):
                 durations.append(await sim.round(session))
-            cpu.append((_cpu_s(pid) - c0) / rounds)
+            cpu.append((cpu_s(pid) - c0) / rounds)
         detect: list[float] = []
         for k in range(repeats):
             victim = (k * 997 + 17) % nodes
@@ -320,13 +309,13 @@ async def _measure_udp(url: str, token: str, pid: int, nodes: int, rounds: int, 
     sim = UdpSimulator(url, token, pid, nodes, commit_rounds)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
         await sim.start(session)
-        c0 = _cpu_s(pid)
+        c0 = cpu_s(pid)
         # daemons start over a few seconds (1,024 a second here), register over HTTP, fetch the view
         for k in range(1, -(-nodes // 1024) + 1):
             sim.admitted = min(nodes, k * 1024)
             await sim.round(worst)
         await sim.round(worst)
-        register_cpu = _cpu_s(pid) - c0
+        register_cpu = cpu_s(pid) - c0
         await sim.settle()
         # a storm of 4,096 registrations overloads 2 cores for a few seconds (decisions.md):
         # measure once every node beats over UDP with the current view
@@ -341,10 +330,10 @@ async def _measure_udp(url: str, token: str, pid: int, nodes: int, rounds: int, 
         durations: list[float] = []
         inventories = sim.inventories
         for _ in range(repeats):
-            c0 = _cpu_s(pid)
+            c0 = cpu_s(pid)
             for _ in range(rounds):
                 durations.append(await sim.round(worst))
-            cpu.append((_cpu_s(pid) - c0) / rounds)
+            cpu.append((cpu_s(pid) - c0) / rounds)
         inventory_share = (sim.inventories - inventories) / (rounds * repeats * nodes)
         detect: list[float] = []
         for k in range(repeats):

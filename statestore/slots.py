@@ -223,9 +223,11 @@ class SlotStore:
         (``static_header``) only when it changes; an unknown digest is refused with 428.
         """
         rs = self.roles.get((job, role))
-        if rs is not None and reserved and self._adoptable(rs, slot):
+        if rs is None:  # as for 'begin': a daemon that never had, or lost, this role's slots
+            raise SlotError(f"role {role} of job {job} has no slots here; send 'alloc' first", 412)
+        if reserved and self._adoptable(rs, slot):
             rs.writing[slot] = RESERVED
-        if rs is None or rs.writing.get(slot) not in (step, RESERVED) or (rs.writing[slot] == RESERVED and not reserved):
+        if rs.writing.get(slot) not in (step, RESERVED) or (rs.writing[slot] == RESERVED and not reserved):
             raise SlotError(f"commit of {role} step {step} to {slot} was not begun here", 409)
         if not 0 <= nbytes <= rs.size:
             raise SlotError(f"commit of {nbytes} bytes exceeds the slot size {rs.size}", 400)

@@ -19,8 +19,6 @@ Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source)
 def _flat(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if d.dtype != s.dtype or not (d.is_contiguous() and s.is_contiguous()) or d.shape != s.shape:
         return None
-    if d.dtype == torch.uint8 and d.dim() == 1 and not (d.requires_grad or s.requires_grad):
-        return d, s  # a save's pairs (slot bytes, storage bytes) already are: no views to build
     return d.detach().reshape(-1).view(torch.uint8), s.detach().reshape(-1).view(torch.uint8)
 
 

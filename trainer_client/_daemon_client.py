@@ -38,7 +38,7 @@ class DaemonClient:
         # (cursor frozen, prefetch stalled) until the reader's next blocking call. Every
         # ``_COLLECT_AFTER`` sends, not every one: this runs once per batch.
         if self._unread >= _COLLECT_AFTER:
-            while self._unread and select.select([self._sock], [], [], 0)[0]:
+            while self._unread and self.replied():
                 self._read(msg)
                 self._unread -= 1
 

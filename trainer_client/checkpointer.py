@@ -127,13 +127,15 @@ class Checkpointer:
         self._slots: dict[str, _Slot] = {}
         self._slot_size = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-verify-{job}-{self.layout.role}")  # restore only
-        self._pending: dict[str, Any] | None = None  # the commit sent, its reply not read yet
+        self._pending: dict[str, Any] | None = None  # the commit sent (or not: _unsent), its reply not read yet
+        self._unsent: TransportError | None = None  # why the pending commit could not be sent
         self._failed: FFPlaneError | None = None  # a commit that failed, for the next save or wait
         self._reserved: _Grant | None = None  # the slot the last commit reply handed out
         self._static: dict[str, Any] = {}  # the header's static part the daemon has (and its digest)
         self._static_digest = ""
         self._encoded: Encoded | None = None  # the last save's, whose storage views encode reuses
-        self._layout_fields: tuple[Layout | None, dict[str, Any]] = (None, {})
+        # in every header; a Checkpointer's layout is fixed (Layout is frozen, and never reassigned)
+        self._layout_fields = {"role": self.role, "layout": asdict(self.layout), "layout_roles": self.layout.all_roles()}
         self.last_save_block_s = 0.0
         self.saves = self.skipped = 0
         # Which run segment this state belongs to: 0 for a fresh job, then a hash of the restored
@@ -151,12 +153,15 @@ class Checkpointer:
             self._collect(block=True)  # its reply comes first on the connection
             return self._call_locked(msg)
 
+    def _connected(self) -> DaemonClient:
+        if self._client is None:
+            self._client = DaemonClient(self.socket_path, self.timeout_s)
+        return self._client
+
     def _call_locked(self, msg: dict[str, Any]) -> dict[str, Any]:
         for attempt in (0, 1):
-            if self._client is None:
-                self._client = DaemonClient(self.socket_path, self.timeout_s)
             try:
-                return self._client.call(**msg)
+                return self._connected().call(**msg)
             except FFTimeoutError:
                 self._client = None  # closed by the client: a late reply must not be misread
                 raise
@@ -164,8 +169,7 @@ class Checkpointer:
                 # the daemon restarted (it reattaches slots and versions): reconnect once.
                 # A commit is repeated only into a reserved slot, which the new daemon can
                 # adopt; a begun one it never knew of.
-                self._client.close()
-                self._client = None
+                self._disconnect()
                 if attempt or (msg.get("op") == "commit" and not msg.get("reserved")):
                     raise
         raise AssertionError("unreachable")
@@ -198,7 +202,7 @@ class Checkpointer:
                 pass
             raise
         self.last_save_block_s = time.perf_counter() - started
-        static = enc.static_header() | self._layout_header() | {
+        static = enc.static_header() | self._layout_fields | {
             "private_nbytes": private,
             "piece": [lo, hi],
             "unique_nbytes": private + replicated,
@@ -265,12 +269,6 @@ class Checkpointer:
                     raise
                 time.sleep(0.01)
 
-    def _layout_header(self) -> dict[str, Any]:
-        if self._layout_fields[0] is not self.layout:  # Layout is frozen: only a new one changes it
-            fields = {"role": self.role, "layout": asdict(self.layout), "layout_roles": self.layout.all_roles()}
-            self._layout_fields = (self.layout, fields)
-        return self._layout_fields[1]
-
     def _post_commit(self, step: int, slot: _Grant, nbytes: int, tree: Any, static: dict[str, Any]) -> None:
         """Send the commit without waiting for it: the daemon checksums and records the slot
         while training goes on, and its reply is read at the next save (or ``wait``/``settle``).
@@ -285,41 +283,36 @@ class Checkpointer:
                 self._static_digest = _digest(static)
                 msg["static_header"] = static
             msg["static"] = self._static_digest
-            try:
-                if self._client is None:
-                    self._client = DaemonClient(self.socket_path, self.timeout_s)
-                self._client.post(**msg)
-            except TransportError as exc:
-                self._client = None
-                self._pending = {**msg, "failed": exc}  # resent (if reserved) when collected
-                return
             self._pending = msg
+            try:
+                self._connected().post(**msg)
+            except TransportError as exc:
+                self._disconnect()
+                self._unsent = exc  # handled (resent, if reserved) when collected
 
     def _collect(self, block: bool) -> bool:
         """Read the pending commit's reply (caller holds the lock); False if it has not arrived
         and ``block`` is False. A failure is kept for ``_raise_failed``; a daemon that died mid-
         commit is asked again (a reserved slot survives its restart) or the step is logged as
         not committed (the previous ones are, and survive in shared memory)."""
-        msg = self._pending
+        msg, unsent = self._pending, self._unsent
         if msg is None:
             return True
-        if "failed" not in msg and not block and not (self._client is not None and self._client.replied()):
+        if unsent is None and not block and not (self._client is not None and self._client.replied()):
             return False
-        self._pending = None
+        self._pending = self._unsent = None
+        reply: dict[str, Any] | None
         try:
-            if "failed" in msg:
-                raise msg.pop("failed")
+            if unsent is not None:
+                raise unsent
             assert self._client is not None
-            reply: dict[str, Any] | None
             try:
                 reply = self._client.reply(msg)
             except FFTimeoutError:
-                self._client = None
+                self._client = None  # closed by the client: a late reply must not be misread
                 raise
         except TransportError as exc:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            self._disconnect()
             if not msg["reserved"]:
                 log.warning("step %d not committed: %s", msg["step"], exc, extra={"job": self.job, "role": self.role, "step": msg["step"]})
                 return True
@@ -353,6 +346,11 @@ class Checkpointer:
             log.warning("step %d not committed: %s; the daemon lost this role's slots, the next save allocates new ones", msg["step"], exc, extra={"job": self.job, "role": self.role, "step": msg["step"]})
             return
         self._failed = exc
+
+    def _disconnect(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def _raise_failed(self) -> None:
         failed, self._failed = self._failed, None
@@ -523,9 +521,7 @@ class Checkpointer:
                 s.close()
             self._slots = {}
             with self._lock:
-                if self._client is not None:
-                    self._client.close()
-                    self._client = None
+                self._disconnect()
 
 
 def _digest(static: dict[str, Any]) -> str:

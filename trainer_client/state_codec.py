@@ -62,7 +62,7 @@ class Encoded:
     tensors: list[TensorRef] = field(default_factory=list)
     tree: Any = None
     stream_nbytes: dict[str, int] = field(default_factory=lambda: {"replicated": 0, "private": 0})
-    by_storage: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (address, bytes) → source
+    storage_ids: dict[tuple[int, int], int] = field(default_factory=dict)  # (address, bytes) → index in storages
 
     def header(self) -> dict[str, Any]:
         return {"tree": self.tree, **self.static_header()}
@@ -93,8 +93,7 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Enc
     construction: a view keeps its storage alive, so no other storage can take its address.
     """
     enc = Encoded()
-    by_storage: dict[tuple[int, int], int] = {}
-    known = previous.by_storage if previous is not None else {}
+    prev_ids, prev_sources = (previous.storage_ids, previous.sources) if previous is not None else ({}, [])
 
     def walk(node: Any, path: tuple[str | int, ...], stream: str) -> Any:
         if isinstance(node, torch.Tensor):
@@ -133,16 +132,15 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Enc
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         skey = (storage.data_ptr(), nbytes)
-        sid = by_storage.get(skey)
+        sid = enc.storage_ids.get(skey)
         if sid is None:
             sid = len(enc.storages)
             offset = enc.stream_nbytes[stream]
             enc.storages.append(StorageEntry(stream, offset, nbytes))
-            source = known.get(skey)
-            enc.sources.append(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)) if source is None else source)
+            known = prev_ids.get(skey)
+            enc.sources.append(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)) if known is None else prev_sources[known])
             enc.stream_nbytes[stream] = offset + -(-nbytes // ALIGN) * ALIGN
-            by_storage[skey] = sid
-            enc.by_storage[skey] = enc.sources[sid]
+            enc.storage_ids[skey] = sid
         enc.tensors.append(TensorRef(sid, dtype, list(t.shape), list(t.stride()), int(t.storage_offset()), t.requires_grad))
         return len(enc.tensors) - 1
 

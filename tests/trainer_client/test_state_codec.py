@@ -70,3 +70,14 @@ def test_restore_into_copies_into_existing_tensors() -> None:
     assert out is target and target["w"].data_ptr() == ptr and torch.equal(target["w"], src["w"]) and target["n"] == 1
     with pytest.raises(StateError, match=r"into\['w'\]: expected a torch.float32 tensor of shape \(3, 3\)"):
         decode(enc.header(), enc.sources, into={"w": torch.zeros(2)})
+
+
+def test_encode_reuses_the_previous_views_only_of_storages_still_in_the_state() -> None:
+    kept, replaced = torch.arange(64, dtype=torch.float32), torch.zeros(64)
+    first = encode({"kept": kept, "replaced": replaced})
+    fresh = torch.full((64,), 7.0)  # same size: it could only share an address if the old one were freed
+    second = encode({"kept": kept, "replaced": fresh}, previous=first)
+    assert second.sources[0] is first.sources[0]  # the same storage: its view is reused
+    assert second.sources[1] is not first.sources[1]
+    out = decode(json.loads(json.dumps(second.header())), [s.clone() for s in second.sources])
+    assert torch.equal(out["kept"], kept) and torch.equal(out["replaced"], fresh)
