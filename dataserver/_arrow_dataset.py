@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from dataserver._row_gather import RowGather
 from dataserver.catalog import Dataset, DatasetError
 from trainer_client.pagemap import populate_read
 
@@ -34,6 +35,14 @@ def fixed_width_view(column: pa.Array) -> np.ndarray | None:
     if _is_numeric(t):
         return column.to_numpy(zero_copy_only=True).reshape(len(column), 1)
     return None
+
+
+def _fixed_array(field: pa.Field, rows: np.ndarray) -> pa.Array:
+    """A (rows, width) array as the field's Arrow type, without a copy."""
+    flat = pa.array(rows.reshape(-1))
+    if pa.types.is_fixed_size_list(field.type):
+        return pa.FixedSizeListArray.from_arrays(flat, field.type.list_size)
+    return flat
 
 
 def _is_numeric(t: pa.DataType) -> bool:
@@ -92,6 +101,11 @@ class ArrowDataset(Dataset):
         if schema is None:
             raise DatasetError(f"{root}: the manifest lists no shards")
         self.schema = schema
+        self._gathers = {
+            f.name: RowGather([v[f.name] for v in self._views])
+            for f in schema
+            if all(f.name in v for v in self._views)
+        }
         total = sum(int(s["bytes"]) for s in manifest["shards"])
         if total <= populate_limit:
             # Page-table population of a dataset that fits in memory, once, in the background,
@@ -123,31 +137,18 @@ class ArrowDataset(Dataset):
     def take(self, indices: np.ndarray) -> pa.RecordBatch:
         idx = np.asarray(indices, dtype=np.int64)
         chunk_of = np.searchsorted(self._offsets, idx, side="right") - 1
-        groups = [(int(c), np.nonzero(chunk_of == c)[0]) for c in np.unique(chunk_of)]
+        local = idx - self._offsets[chunk_of]
+        groups: list[tuple[int, np.ndarray]] | None = None
         arrays = []
         for col_i, field in enumerate(self.schema):
-            if all(field.name in self._views[c] for c, _ in groups):
-                arrays.append(self._gather_fixed(field, idx, groups))
-            else:
-                arrays.append(self._gather_generic(col_i, idx, groups))
+            gather = self._gathers.get(field.name)
+            if gather is not None:
+                arrays.append(_fixed_array(field, gather.take(chunk_of, local)))
+                continue
+            if groups is None:
+                groups = [(int(c), np.nonzero(chunk_of == c)[0]) for c in np.unique(chunk_of)]
+            arrays.append(self._gather_generic(col_i, idx, groups))
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
-
-    def _gather_fixed(
-        self, field: pa.Field, idx: np.ndarray, groups: list[tuple[int, np.ndarray]]
-    ) -> pa.Array:
-        # One gather straight from the mapped shard into the output; no Arrow take + concat.
-        first = self._views[groups[0][0]][field.name]
-        out = np.empty((len(idx), first.shape[1]), dtype=first.dtype)
-        for c, rows in groups:
-            local = idx[rows] - self._offsets[c]
-            if len(groups) == 1:
-                np.take(self._views[c][field.name], local, axis=0, out=out)
-            else:
-                out[rows] = self._views[c][field.name][local]
-        flat = pa.array(out.reshape(-1))
-        if pa.types.is_fixed_size_list(field.type):
-            return pa.FixedSizeListArray.from_arrays(flat, field.type.list_size)
-        return flat
 
     def _gather_generic(
         self, col_i: int, idx: np.ndarray, groups: list[tuple[int, np.ndarray]]
@@ -166,6 +167,7 @@ class ArrowDataset(Dataset):
     def close(self) -> None:
         self._chunks.clear()
         self._views.clear()
+        self._gathers.clear()
         for mm in self._maps:
             mm.close()
         self._maps.clear()
