@@ -36,8 +36,9 @@ class RowGather:
         self._start = np.array([s - self._base if v.nbytes else 0 for s, v in zip(starts, views)], dtype=np.int64)
         self._rows = np.array([v.shape[0] for v in views], dtype=np.int64)
         row = np.dtype((np.void, self.row_bytes))
+        self._any_row: np.ndarray
         if span:
-            memory = np.frombuffer((ctypes.c_char * span).from_address(self._base), dtype=np.uint8)
+            memory = np.frombuffer(memoryview((ctypes.c_char * span).from_address(self._base)), dtype=np.uint8)
             self._any_row = np.ndarray(shape=(span - self.row_bytes + 1,), dtype=row, buffer=memory, strides=(1,))
         else:
             self._any_row = np.empty(0, dtype=row)
