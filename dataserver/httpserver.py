@@ -123,8 +123,33 @@ def write_ready_file(path: str | None, **info: Any) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_KEEP_HEAP_BYTES = 256 << 20
+_MMAP_ABOVE_BYTES = 32 << 20
+
+
+def keep_heap() -> None:
+    """Let glibc keep freed memory for reuse instead of handing it back to the kernel.
+
+    Both servers allocate and free a few MiB of buffers per 4 MiB step (socket reads, aiohttp's
+    chunks, Arrow bodies). With glibc's defaults much of that came from fresh pages — chunks above
+    its mmap threshold, or heap it had just trimmed — and each page's first touch faulted: 9 % of
+    the daemon's CPU per cached step, the data server's too (``perf`` of an end-to-end read;
+    bench/data_path.py). Retained memory is bounded by the servers' peak of buffers in flight.
+    A no-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_ABOVE_BYTES)
+    mallopt(_M_TRIM_THRESHOLD, _KEEP_HEAP_BYTES)
+
+
 def serve(app: Any, host: str, port: int, ready_file: str | None = None, on_bound: Any = None, **ready: Any) -> None:
     """Serve ``app`` until SIGTERM/SIGINT; the ready file names the bound port."""
+    keep_heap()
     sock = bind(host, port)
     bound_port = sock.getsockname()[1]
     if on_bound is not None:

@@ -137,17 +137,22 @@ class ReplicaStore:
             if offset != inc.received:
                 raise SlotError(f"body at offset {offset} but {inc.received} bytes received so far; resume from there", 409)
             fd = os.open(self.root / inc.meta.path.replace(".bin", ".part"), os.O_WRONLY)
+            out = shm.PageWriter(fd, inc.received, on_write=inc.hasher.update)
+            arrived = inc.received
             try:
                 async for piece in body:
-                    if inc.received + len(piece) > inc.meta.nbytes:
+                    if arrived + len(piece) > inc.meta.nbytes:
                         raise SlotError(f"body runs past the shard's {inc.meta.nbytes} bytes", 400)
-                    _pwrite_fd(fd, piece, inc.received)  # tmpfs: a page-cache copy, microseconds
-                    inc.hasher.update(piece)
-                    inc.received += len(piece)
+                    out.add(piece)
+                    arrived += len(piece)
                     inc.touched = time.monotonic()
-                    self.received_bytes += len(piece)
             finally:
-                os.close(fd)
+                try:
+                    out.flush()  # what arrived before a cut-off is kept: the sender resumes after it
+                finally:
+                    os.close(fd)
+                    self.received_bytes += out.offset - inc.received
+                    inc.received = out.offset
             return inc.received
 
     async def write(self, job: str, role: str, step: int, offset: int, data: bytes | memoryview) -> int:
@@ -254,10 +259,3 @@ class ReplicaStore:
             except BufferError:
                 pass
         self._maps.clear()
-
-
-def _pwrite_fd(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
