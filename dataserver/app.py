@@ -93,10 +93,12 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             raise HTTPException(413, f"request body of {size} bytes exceeds the limit of {config.max_body_bytes}")
 
     needs_token = [Depends(bounded), Depends(auth)]
-    # Batches are encoded on one thread, not the request thread pool: with a thread per
-    # concurrent request the GIL changed hands ~250 times per 4 MiB step (futex storm, 2.6 ms of
-    # system time per step); see docs/decisions.md "Data path, second pass".
-    encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")
+    # Batches are encoded on the event loop, step by step (~0.5 ms per 4 MiB): with a thread
+    # per concurrent request the GIL changed hands ~250 times per step (futex storm, 2.6 ms of
+    # system time), and even one encoder thread's hand-offs cost more than they overlapped on
+    # 2 cores (docs/decisions.md, "Data path, fourth pass"). Opening a dataset, which can take
+    # seconds, still runs off the loop, on this one thread.
+    opener = ThreadPoolExecutor(1, thread_name_prefix="open-dataset")
 
     async def sweep() -> None:
         due = time.monotonic()
@@ -120,7 +122,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         if udp is not None:
             udp.close()
         sweeper.cancel()
-        encoder.shutdown(wait=True, cancel_futures=True)
+        opener.shutdown(wait=True, cancel_futures=True)
         catalog.close()
 
     app = FastAPI(title="ffplane dataserver", version="0.1.0", lifespan=lifespan)
@@ -228,25 +230,25 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             raise HTTPException(413, f"count={count} exceeds the limit of {config.max_steps_per_request} steps per request")
         for step in range(start, start + count):
             check_tid(job, dp_rank, step)
-        loop = asyncio.get_running_loop()
-        dataset = await loop.run_in_executor(encoder, catalog.get, job.spec.dataset)
+        dataset = catalog.opened(job.spec.dataset)
+        if dataset is None:
+            dataset = await asyncio.get_running_loop().run_in_executor(opener, catalog.get, job.spec.dataset)
         steps = range(start, start + count)
 
         headers = {"X-FFplane-Steps": f"{start}-{start + count - 1}"}
         if count <= _WHOLE_BODY_STEPS:
-            # Few steps: one body with a Content-Length. Chunked streaming costs a thread hop and
-            # a chunk header per piece, and measured ~2x slower for single 4 MiB steps.
-            parts = await loop.run_in_executor(encoder, lambda: list(encode_steps(dataset, job.planner, dp_rank, steps)))
+            # Few steps: one body with a Content-Length. Chunked streaming costs a chunk header
+            # per piece, and measured ~2x slower for single 4 MiB steps.
+            parts = list(encode_steps(dataset, job.planner, dp_rank, steps))
             whole = WholeBody(parts, MEDIA_TYPE, headers)
             metrics.bytes.labels(name).inc(whole.nbytes)
             metrics.steps.labels(name).inc(count)
             return whole
 
         async def body() -> AsyncIterator[bytes | memoryview]:
-            chunks = encode_steps(dataset, job.planner, dp_rank, steps)
-            while (chunk := await loop.run_in_executor(encoder, next, chunks, None)) is not None:
+            for chunk in encode_steps(dataset, job.planner, dp_rank, steps):
                 metrics.bytes.labels(name).inc(len(chunk))
-                yield chunk
+                yield chunk  # the loop sends it before the next step is encoded
             metrics.steps.labels(name).inc(count)
 
         return StreamingResponse(body(), media_type=MEDIA_TYPE, headers=headers)

@@ -77,6 +77,10 @@ class Catalog:
             d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(".")
         )
 
+    def opened(self, name: str) -> Dataset | None:
+        """``name`` if it is open already (never blocks), else None."""
+        return self._open.get(name)
+
     def get(self, name: str) -> Dataset:
         ds = self._open.get(name)
         if ds is None:
