@@ -113,3 +113,13 @@ def test_save_cpu_smoke(tmp_path: Path) -> None:
 
     out = save_cpu.main(["--saves", "10", "--repeats", "1", "--gap-ms", "1", "--results-dir", str(tmp_path), "--out", "sc"])
     assert out["figures"]["total_ms"]["median"] > 0 and out["figures"]["floor_ms"]["median"] > 0
+
+
+def test_path_cpu_smoke(tmp_path: Path) -> None:
+    from bench import path_cpu
+
+    out = path_cpu.main(["--gib", "0.02", "--batch", "32", "--seq", "256", "--steps", "8", "--repeats", "1",
+                         "--work", str(tmp_path / "data"), "--huge", "off", "--results-dir", str(tmp_path), "--out", "pc"])
+    f = out["figures"]
+    assert f["dataserver_ms"]["median"] > 0 and f["daemon_ms"]["median"] > 0 and f["stack_ms"]["median"] > 0
+    assert abs(f["total_ms"]["median"] - sum(f[k]["median"] for k in ("dataserver_ms", "daemon_ms", "reader_ms"))) < 1e-6
