@@ -81,6 +81,30 @@ def make_dataset(root: Path, gib: float, seq: int) -> Path:
     return out
 
 
+def reader_bench_parser(doc: str, steps: int, steps_help: str, out: str) -> argparse.ArgumentParser:
+    """The options of the benchmarks that read this dataset through a node daemon
+    (bench/reader_steps.py, bench/path_cpu.py); ``reader_bench_dataset`` then prepares it."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0, help="dataset size in GiB of token data")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=512, help="rows per step (512 x 2048 int32 = 4 MiB)")
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work", type=Path, default=Path("/tmp/ffplane-bench-data"), help="dataset folder (kept for reuse)")
+    p.add_argument("--huge", choices=["auto", "off"], default="auto", help="cache root on a huge=within_size tmpfs (needs root)")
+    p.add_argument("--out", default=out)
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    return p
+
+
+def reader_bench_dataset(args: argparse.Namespace) -> Path:
+    """The dataset of ``reader_bench_parser``'s options, with the consumer on one torch thread
+    as in this benchmark (see ``main``)."""
+    torch.set_num_threads(1)
+    args.work.mkdir(parents=True, exist_ok=True)
+    return make_dataset(args.work, args.gib, args.seq)
+
+
 def memcpy_gbps(nbytes: int) -> float:
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.ones(nbytes, dtype=np.uint8)  # both pre-faulted

@@ -21,40 +21,26 @@ docs/decisions.md ("Data path, fourth pass") reads them.
 
 from __future__ import annotations
 
-import argparse
 import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, cpu_s, huge_tmpfs, print_table, ratio, summary, write_results  # noqa: E402
+from bench._common import cpu_s, huge_tmpfs, print_table, ratio, summary, write_results  # noqa: E402
 from bench._http_stack import http_stack  # noqa: E402
-from bench.data_path import _consume, _create_job, make_dataset  # noqa: E402
+from bench.data_path import _consume, _create_job, reader_bench_dataset, reader_bench_parser  # noqa: E402
 from trainer_client import DataLoader  # noqa: E402
 from trainer_client.local_cluster import LocalCluster  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gib", type=float, default=1.0)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--steps", type=int, default=300, help="steps read per repeat")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--work", type=Path, default=Path("/tmp/ffplane-bench-data"))
-    p.add_argument("--huge", choices=["auto", "off"], default="auto")
-    p.add_argument("--out", default="path_cpu")
-    p.add_argument("--results-dir", type=Path, default=RESULTS)
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)  # as bench/data_path.py's consumer
+    args = reader_bench_parser(__doc__ or "", 300, "steps read per repeat", "path_cpu").parse_args(argv)
+    ds_dir = reader_bench_dataset(args)
     step_bytes = args.batch * args.seq * 4
-    args.work.mkdir(parents=True, exist_ok=True)
-    ds_dir = make_dataset(args.work, args.gib, args.seq)
     token, run_id = secrets.token_hex(16), secrets.token_hex(3)
     samples: dict[str, list[float]] = {}
     with huge_tmpfs(args.work / "shm-huge", 576, args.huge) as huge:
