@@ -23,7 +23,7 @@ from statestore.index import Index
 from statestore.metrics import registry_for
 from statestore.link_gate import LinkGate
 from statestore.replicas import ReplicaStore
-from statestore.replication import LocalShard, Replicator, _Peers
+from statestore.replication import LocalShard, Replicator, _Peers, read_meta_prefix
 from statestore.slots import SlotError, SlotStore
 from statestore.state_service import DurableConfig, StateService
 
@@ -218,6 +218,30 @@ def create_app(daemon: Daemon) -> FastAPI:
             return {"received": await daemon.state.replicas.receive(job, role, step, offset, request.stream())}
         except SlotError as exc:
             raise HTTPException(exc.status, str(exc)) from exc
+
+    @app.put("/v1/replicas/{job}/{role}/{step}/whole", dependencies=needs_token)
+    async def replica_whole(job: str, role: str, step: int, request: Request, newest: int | None = None) -> dict[str, Any]:
+        """A whole replica in one request: the body is its metadata (a little-endian u32 length,
+        then the JSON ``begin`` takes) followed by every byte; received, verified and committed.
+        A receiver already holding part of it answers 409: resume through ``begin`` (peer API)."""
+        assert daemon.state is not None
+        replicas = daemon.state.replicas
+        try:
+            meta, rest = await read_meta_prefix(request.stream())
+            args = (check_name(job), check_name(role), check_step(step), int(meta["nbytes"]), str(meta["checksum"]), dict(meta["header"]), str(meta["source"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HTTPException(422, f"a whole replica starts with its metadata (u32 length, JSON nbytes, checksum, header, source): {exc}") from exc
+        offset = _replica_call(replicas.begin, *args)
+        if offset:
+            async for _ in rest:  # read to the end, so the connection stays usable
+                pass
+            raise HTTPException(409, f"{offset} bytes of {role} step {step} are here already; resume through begin")
+        try:
+            received = await replicas.receive(job, role, step, 0, rest)
+            r = await replicas.finish(job, role, step, newest)
+        except SlotError as exc:
+            raise HTTPException(exc.status, str(exc)) from exc
+        return {"received": received, "checksum": r.checksum}
 
     @app.post("/v1/replicas/{job}/{role}/{step}/commit", dependencies=needs_token)
     async def replica_commit(job: str, role: str, step: int, newest: int | None = None) -> dict[str, Any]:

@@ -10,8 +10,10 @@ verifies the whole-shard checksum before the replica counts.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,6 +27,44 @@ from statestore.replicas import Replica, ReplicaStore
 from statestore.slots import SlotError, SlotStore, Version
 
 log = logging.getLogger(__name__)
+_TRIED_KEPT = 4096
+_META_LEN = struct.Struct("<I")
+
+
+def meta_prefix(meta: dict[str, Any]) -> bytes:
+    """The start of a single-request push's body: the shard's metadata (as ``begin`` takes it),
+    JSON after its little-endian u32 length; the shard's bytes follow."""
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    return _META_LEN.pack(len(raw)) + raw
+
+
+async def read_meta_prefix(body: AsyncIterator[bytes], limit: int = 64 << 20) -> tuple[dict[str, Any], AsyncIterator[bytes]]:
+    """Split a single-request push's body into its metadata and the rest of the stream."""
+    head = bytearray()
+    it = body.__aiter__()
+    need = _META_LEN.size
+    while len(head) < need:
+        try:
+            head += await it.__anext__()
+        except StopAsyncIteration:
+            raise ValueError(f"the body ended after {len(head)} bytes, inside its metadata") from None
+        if len(head) >= _META_LEN.size and need == _META_LEN.size:
+            (n,) = _META_LEN.unpack_from(head)
+            if n > limit:
+                raise ValueError(f"metadata of {n} bytes announced; at most {limit}")
+            need += n
+    meta = json.loads(bytes(head[_META_LEN.size : need]))
+    if not isinstance(meta, dict):
+        raise ValueError("the metadata is not a JSON object")
+    left = bytes(head[need:])
+
+    async def rest() -> AsyncIterator[bytes]:
+        if left:
+            yield left
+        async for piece in it:
+            yield piece
+
+    return meta, rest()
 _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux
 # How long a node that had a ring successor and lost it (the ring is just this node) still holds
 # commits back for one to reappear. Two ways a live successor vanishes for a moment, both found by
@@ -92,6 +132,9 @@ class _Peers:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.session: aiohttp.ClientSession | None = None
         self.push_session: aiohttp.ClientSession | None = None  # bounded send queue, for pushes
+        self._tried: set[tuple[str, str, str, int]] = set()  # shards whose single-request push did not complete
+        self.whole_pushes = 0  # shards sent in one request
+        self.resumed_pushes = 0  # shards sent through begin (a retry, or part already there)
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=30)
@@ -129,40 +172,68 @@ class _Peers:
             raise PeerError(f"{method} {url} failed: {exc!r}") from exc
 
     async def push(self, base: str, shard: LocalShard, source: str, newest: int, urgent: Callable[[], bool] = lambda: False) -> int:
-        """Send ``shard`` to the daemon at ``base`` from where it left off; returns bytes sent."""
+        """Send ``shard`` to the daemon at ``base``; returns bytes sent.
+
+        A shard's first attempt is one request carrying its metadata, its bytes and the commit
+        (``PUT .../whole``): three requests per shard per step were most of a daemon's HTTP
+        work in a job with short steps. A retry, or a receiver that already holds part of the
+        shard, goes through ``begin`` and resumes from the offset it answers.
+        """
         assert self.session is not None
         url = f"{base}/v1/replicas/{shard.job}/{shard.role}/{shard.step}"
         meta = {"nbytes": shard.nbytes, "checksum": shard.checksum, "header": shard.header, "source": source}
-        offset = int((await self._json("POST", f"{url}/begin", json=meta))["received"])
-        if offset >= shard.nbytes:
-            await self._json("POST", f"{url}/commit", params={"newest": str(newest)})
-            return 0
+        attempt = (base, shard.job, shard.role, shard.step)
+        offset = 0
+        if attempt in self._tried:
+            offset = int((await self._json("POST", f"{url}/begin", json=meta))["received"])
+            if offset >= shard.nbytes:
+                await self._json("POST", f"{url}/commit", params={"newest": str(newest)})
+                self._tried.discard(attempt)
+                return 0
         # A private copy first (memcpy speed): a save may reuse the slot two commits later, long
         # before a slow link has carried the whole shard; the copy keeps every pushed byte useful
         # and saves never wait for the network.
         staged = await asyncio.to_thread(bytes, shard.view())
         if not shard.current():
             raise PeerError(f"{shard.role} step {shard.step} was replaced here while being staged", 409)
+        if attempt not in self._tried:
+            if len(self._tried) > _TRIED_KEPT:
+                self._tried.clear()  # only ever costs a retry the single-request path
+            self._tried.add(attempt)
+            try:
+                await self._json("PUT", f"{url}/whole", params={"newest": str(newest)}, session=self.push_session,
+                                 data=self._gated(memoryview(staged), 0, urgent, prefix=meta_prefix(meta)))
+            except PeerError as exc:
+                if exc.status != 409:
+                    raise  # retried later through begin, from what arrived
+                offset = int((await self._json("POST", f"{url}/begin", json=meta))["received"])  # it held part already
+            else:
+                self._tried.discard(attempt)
+                self.whole_pushes += 1
+                return shard.nbytes
         start = offset
-        chunk = self.gate.config.chunk_bytes
-        view = memoryview(staged)
-
-        async def body() -> AsyncIterator[memoryview]:
-            # one request, fed a chunk at a time as the gate allows; the connection's small
-            # unsent-bytes limit keeps what is queued when TRAIN starts to about one chunk
-            pos = start
-            while pos < shard.nbytes:
-                n = min(chunk, shard.nbytes - pos)
-                await self.gate.acquire(Priority.REPLICATE, n, critical=urgent)
-                yield view[pos : pos + n]
-                pos += n
-
-        offset = int((await self._json("PUT", url, params={"offset": str(start)}, data=body(), session=self.push_session))["received"])
-        sent = offset - start
+        if start < shard.nbytes:
+            offset = int((await self._json("PUT", url, params={"offset": str(start)}, session=self.push_session,
+                                           data=self._gated(memoryview(staged), start, urgent)))["received"])
         if offset != shard.nbytes:
             raise PeerError(f"{shard.role} step {shard.step}: the receiver has {offset} of {shard.nbytes} bytes; will resume", 502)
         await self._json("POST", f"{url}/commit", params={"newest": str(newest)})
-        return sent
+        self._tried.discard(attempt)
+        self.resumed_pushes += 1
+        return offset - start
+
+    async def _gated(self, view: memoryview, start: int, urgent: Callable[[], bool], prefix: bytes = b"") -> AsyncIterator[memoryview | bytes]:
+        """One request's body, fed a chunk at a time as the gate allows; the connection's small
+        unsent-bytes limit keeps what is queued when TRAIN starts to about one chunk."""
+        if prefix:
+            yield prefix
+        chunk = self.gate.config.chunk_bytes
+        pos = start
+        while pos < len(view):
+            n = min(chunk, len(view) - pos)
+            await self.gate.acquire(Priority.REPLICATE, n, critical=urgent)
+            yield view[pos : pos + n]
+            pos += n
 
     async def pull(self, base: str, replicas: ReplicaStore, job: str, role: str, step: int, source: str) -> Replica:
         """Fetch a committed shard from the daemon at ``base`` into ``replicas`` (verified)."""
@@ -420,6 +491,8 @@ class Replicator:
             "pending": self.pending(),
             "bytes_sent": self.bytes_sent,
             "pushes": self.pushes,
+            "pushes_in_one_request": self.peers.whole_pushes,
+            "pushes_resumed": self.peers.resumed_pushes,
             "failures": self.failures,
             "commit_waits": self.commit_waits,
             "commit_wait_seconds": round(self.commit_wait_s, 3),

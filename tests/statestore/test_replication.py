@@ -70,7 +70,9 @@ def test_commits_reach_the_successor_verified_and_follow_a_node_loss(cluster: Lo
     newest_two = {(v["step"], v["checksum"]) for v in primary[:2]}
     # the newest two, same bytes (pushes may land in any order; a late older one may linger)
     until(lambda: newest_two <= {(r["step"], r.get("checksum")) for r in _daemon_state(cluster, 1)["replicas"]}, what="the replicas on n1")
-    assert _daemon_state(cluster, 0)["replication"]["roles"]["job/dp0-pp0-tp0"] == {"committed": 3, "replicated": 3, "to": "n1"}
+    sent = _daemon_state(cluster, 0)["replication"]
+    assert sent["roles"]["job/dp0-pp0-tp0"] == {"committed": 3, "replicated": 3, "to": "n1"}
+    assert sent["pushes_in_one_request"] >= 2 and sent["pushes_resumed"] == 0  # no begin/commit round trips
 
     cluster.lose_node(0)
     until(lambda: "n0" in _status(cluster)["dead"], what="n0 declared dead")
@@ -120,6 +122,35 @@ def test_a_push_resumes_and_counts_only_once_verified(cluster: LocalCluster) -> 
     assert httpx.post(url + "/commit", headers=AUTH).json()["ok"]
     assert [(r["step"], r["kind"]) for r in _daemon_state(cluster, 0)["replicas"]] == [(7, "replica")]
     assert httpx.get(cluster.daemons[0].url + "/v1/state/job/dpX/7/shard", params={"offset": 256, "length": 4}, headers=AUTH).content == bytes(range(4))
+
+
+def test_a_whole_push_is_one_request_and_a_cut_one_resumes_through_begin(cluster: LocalCluster) -> None:
+    import xxhash
+
+    from statestore.replication import meta_prefix
+
+    _start(cluster, 1)
+    base = cluster.daemons[0].url + "/v1/replicas/job/dpX"
+    data = bytes(range(256)) * 1024
+    meta = {"nbytes": len(data), "checksum": xxhash.xxh3_64_hexdigest(data), "header": {"layout_roles": ["dpX"]}, "source": "elsewhere"}
+    assert httpx.put(base + "/7/whole", content=meta_prefix(meta) + data).status_code == 401
+    whole = httpx.put(base + "/7/whole", content=meta_prefix(meta) + data, headers=AUTH)
+    assert whole.json() == {"received": len(data), "checksum": meta["checksum"]}  # received, verified, committed
+    assert [(r["step"], r["kind"]) for r in _daemon_state(cluster, 0)["replicas"]] == [(7, "replica")]
+    # cut off after 100 kB: nothing counts, what arrived stays, and the next try resumes there
+    cut = httpx.put(base + "/8/whole", content=meta_prefix(meta) + data[:100_000], headers=AUTH)
+    assert cut.status_code == 409 and "only 100000" in cut.text
+    again = httpx.put(base + "/8/whole", content=meta_prefix(meta) + data, headers=AUTH)
+    assert again.status_code == 409 and "resume through begin" in again.text
+    assert httpx.post(base + "/8/begin", json=meta, headers=AUTH).json() == {"received": 100_000}
+    assert httpx.put(base + "/8", params={"offset": 100_000}, content=data[100_000:], headers=AUTH).status_code == 200
+    assert httpx.post(base + "/8/commit", headers=AUTH).json()["ok"]
+    assert sorted(r["step"] for r in _daemon_state(cluster, 0)["replicas"]) == [7, 8]
+    # a body that does not start with its metadata changes nothing
+    for junk in (b"", b"\x05\x00", b"\x03\x00\x00\x00[1]" + data):
+        bad = httpx.put(base + "/9/whole", content=junk, headers=AUTH)
+        assert bad.status_code == 422 and "metadata" in bad.text
+    assert sorted(r["step"] for r in _daemon_state(cluster, 0)["replicas"]) == [7, 8]
 
 
 def test_losing_a_node_and_its_successor_falls_back_to_the_durable_tier(cluster: LocalCluster, tmp_path: Path) -> None:
