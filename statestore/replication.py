@@ -2,9 +2,10 @@
 the shards a restore needs from whichever daemon holds them.
 
 Both move chunks of ``GateConfig.chunk_bytes`` through the node's link gate over the peer API
-(``/v1/replicas/...`` to push, ``/v1/state/...`` to read), with the job's token. A push resumes
-at the offset the receiver reports, so an interrupted transfer does not start over; the receiver
-verifies the whole-shard checksum before the replica counts.
+(``/v1/replicas/...`` to push, ``/v1/state/...`` to read), with the job's token. A shard's first
+push is one request (metadata, bytes, commit); a retry resumes at the offset the receiver
+reports, so an interrupted transfer does not start over; the receiver verifies the whole-shard
+checksum before the replica counts.
 """
 
 from __future__ import annotations
