@@ -134,8 +134,8 @@ def keep_heap() -> None:
     Both servers allocate and free a few MiB of buffers per 4 MiB step (socket reads, aiohttp's
     chunks, Arrow bodies). With glibc's defaults much of that came from fresh pages — chunks above
     its mmap threshold, or heap it had just trimmed — and each page's first touch faulted: 9 % of
-    the daemon's CPU per cached step, the data server's too (``perf`` of an end-to-end read;
-    bench/data_path.py). Retained memory is bounded by the servers' peak of buffers in flight.
+    the daemon's CPU per cached step, the data server's too (``perf`` during
+    ``bench/path_cpu.py``). Retained memory is bounded by the servers' peak of buffers in flight.
     A no-op off glibc.
     """
     try:

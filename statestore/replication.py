@@ -28,6 +28,15 @@ from statestore.replicas import Replica, ReplicaStore
 from statestore.slots import SlotError, SlotStore, Version
 
 log = logging.getLogger(__name__)
+_TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux
+# How long a node that had a ring successor and lost it (the ring is just this node) still holds
+# commits back for one to reappear. Two ways a live successor vanishes for a moment, both found by
+# the soak, both leaving commits answered then with no copy anywhere else: a restarted data
+# server's coordinator, which has not heard from it yet (membership is soft state, rebuilt from
+# the next beats), and a false death (silent for 1.5 s under load, back on its next beat).
+# Longer than either; short enough that a job left on one node for good runs on, unreplicated
+# (logged). docs/decisions.md "A successor gone for a moment".
+_ALONE_GRACE_S = 5.0
 _TRIED_KEPT = 4096
 _META_LEN = struct.Struct("<I")
 
@@ -66,15 +75,6 @@ async def read_meta_prefix(body: AsyncIterator[bytes], limit: int = 64 << 20) ->
             yield piece
 
     return meta, rest()
-_TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux
-# How long a node that had a ring successor and lost it (the ring is just this node) still holds
-# commits back for one to reappear. Two ways a live successor vanishes for a moment, both found by
-# the soak, both leaving commits answered then with no copy anywhere else: a restarted data
-# server's coordinator, which has not heard from it yet (membership is soft state, rebuilt from
-# the next beats), and a false death (silent for 1.5 s under load, back on its next beat).
-# Longer than either; short enough that a job left on one node for good runs on, unreplicated
-# (logged). docs/decisions.md "A successor gone for a moment".
-_ALONE_GRACE_S = 5.0
 
 
 @dataclass
