@@ -311,3 +311,36 @@ def test_a_reader_of_cached_steps_keeps_the_daemon_reading(dataserver: Proc, sta
 
     until(lambda: cursor() == [steps - 1], timeout_s=10, what=f"the daemon to see the reader at step {steps - 1} (it is at {cursor()})")
     loader.close()
+
+
+def _mapped_steps(steps_dir: Path) -> set[int]:
+    """Steps of ``steps_dir`` this process maps now (evicted ones show as "(deleted)")."""
+    out = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split(maxsplit=5)[-1]
+        if path.startswith(str(steps_dir)) and path.split()[0].endswith(".arrow"):
+            out.add(int(Path(path.split()[0]).stem))
+    return out
+
+
+def test_the_loader_unmaps_steps_two_behind_not_the_training_thread_at_once(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    """A step's mapping goes when its last reference does. The loader holds each step it hands
+    out until its look-ahead thread drops it two steps later, so the unmap (a TLB shootdown)
+    happens there, not in the training thread as it lets go of the previous batch; a batch the
+    training code keeps stays valid whatever the loader holds."""
+    create_job(dataserver, max_steps=12)
+    start_daemon("--window", "12")
+    loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock")
+    steps_dir = shm_root / "j1" / "data" / "0"
+    batches = iter(loader)
+    kept = next(batches)["tokens"]  # a view into step 0's mapping, kept by the training code
+    kept_copy = kept.clone()
+    seen = []
+    for step in range(1, 12):
+        next(batches)  # dropped at once, as a training loop drops each batch
+        seen.append((step, _mapped_steps(steps_dir)))
+    for step, mapped in seen:
+        assert {step - 1, step} <= mapped, f"at step {step}: {sorted(mapped)} (the last two handed out are held)"
+        assert not {s for s in mapped if 0 < s < step - 2}, f"at step {step}: {sorted(mapped)} (older ones are released)"
+    assert torch.equal(kept, kept_copy)  # step 0 stays mapped for the view that uses it
+    loader.close()
