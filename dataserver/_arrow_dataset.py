@@ -73,7 +73,7 @@ class ArrowDataset(Dataset):
             )
         self.manifest = manifest
         self._chunks: list[pa.RecordBatch] = []
-        self._views: list[dict[str, np.ndarray]] = []
+        views: list[dict[str, np.ndarray]] = []  # per chunk: fixed-width columns as (rows, width)
         self._maps: list[pa.MemoryMappedFile] = []
         schema: pa.Schema | None = None
         for shard in manifest["shards"]:
@@ -91,7 +91,7 @@ class ArrowDataset(Dataset):
             for i in range(reader.num_record_batches):
                 chunk = reader.get_batch(i)
                 self._chunks.append(chunk)
-                self._views.append(
+                views.append(
                     {
                         f.name: v
                         for f, col in zip(chunk.schema, chunk.columns)
@@ -102,9 +102,9 @@ class ArrowDataset(Dataset):
             raise DatasetError(f"{root}: the manifest lists no shards")
         self.schema = schema
         self._gathers = {
-            f.name: RowGather([v[f.name] for v in self._views])
+            f.name: RowGather([v[f.name] for v in views])
             for f in schema
-            if all(f.name in v for v in self._views)
+            if all(f.name in v for v in views)
         }
         total = sum(int(s["bytes"]) for s in manifest["shards"])
         if total <= populate_limit:
@@ -166,7 +166,6 @@ class ArrowDataset(Dataset):
 
     def close(self) -> None:
         self._chunks.clear()
-        self._views.clear()
         self._gathers.clear()
         for mm in self._maps:
             mm.close()

@@ -192,9 +192,15 @@ def create_app(daemon: Daemon) -> FastAPI:
             raise HTTPException(409, f"step {step} of {role} was replaced while being read; ask again")
         return Response(data, media_type="application/octet-stream", headers={"X-FFplane-Checksum": held.checksum})
 
-    def _replica_call(fn: Any, *args: Any) -> Any:
+    def _replica_begin(job: str, role: str, step: int, meta: Any) -> int:
+        """Start (or resume) receiving a replica described by ``meta``; the offset to send from."""
+        assert daemon.state is not None
         try:
-            return fn(*args)
+            args = (check_name(job), check_name(role), check_step(step), int(meta["nbytes"]), str(meta["checksum"]), dict(meta["header"]), str(meta["source"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HTTPException(422, f"replica metadata needs nbytes, checksum, header and source: {exc}") from exc
+        try:
+            return daemon.state.replicas.begin(*args)
         except SlotError as exc:
             raise HTTPException(exc.status, str(exc)) from exc
 
@@ -204,10 +210,9 @@ def create_app(daemon: Daemon) -> FastAPI:
         assert daemon.state is not None
         try:
             meta = await request.json()
-            args = (check_name(job), check_name(role), check_step(step), int(meta["nbytes"]), str(meta["checksum"]), dict(meta["header"]), str(meta["source"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise HTTPException(422, f"replica begin needs JSON nbytes, checksum, header and source: {exc}") from exc
-        return {"received": _replica_call(daemon.state.replicas.begin, *args)}
+        except ValueError as exc:
+            raise HTTPException(422, f"replica begin needs a JSON body: {exc}") from exc
+        return {"received": _replica_begin(job, role, step, meta)}
 
     @app.put("/v1/replicas/{job}/{role}/{step}", dependencies=needs_token)
     async def replica_chunk(job: str, role: str, step: int, offset: int, request: Request) -> dict[str, Any]:
@@ -228,10 +233,9 @@ def create_app(daemon: Daemon) -> FastAPI:
         replicas = daemon.state.replicas
         try:
             meta, rest = await read_meta_prefix(request.stream())
-            args = (check_name(job), check_name(role), check_step(step), int(meta["nbytes"]), str(meta["checksum"]), dict(meta["header"]), str(meta["source"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise HTTPException(422, f"a whole replica starts with its metadata (u32 length, JSON nbytes, checksum, header, source): {exc}") from exc
-        offset = _replica_call(replicas.begin, *args)
+        except ValueError as exc:
+            raise HTTPException(422, f"a whole replica starts with its metadata (u32 length, then JSON): {exc}") from exc
+        offset = _replica_begin(job, role, step, meta)
         if offset:
             async for _ in rest:  # read to the end, so the connection stays usable
                 pass

@@ -52,21 +52,24 @@ async def read_meta_prefix(body: AsyncIterator[bytes], limit: int = 64 << 20) ->
     """Split a single-request push's body into its metadata and the rest of the stream."""
     head = bytearray()
     it = body.__aiter__()
-    need = _META_LEN.size
-    while len(head) < need:
-        try:
-            head += await it.__anext__()
-        except StopAsyncIteration:
-            raise ValueError(f"the body ended after {len(head)} bytes, inside its metadata") from None
-        if len(head) >= _META_LEN.size and need == _META_LEN.size:
-            (n,) = _META_LEN.unpack_from(head)
-            if n > limit:
-                raise ValueError(f"metadata of {n} bytes announced; at most {limit}")
-            need += n
-    meta = json.loads(bytes(head[_META_LEN.size : need]))
+
+    async def fill(n: int) -> None:
+        while len(head) < n:
+            try:
+                head.extend(await it.__anext__())
+            except StopAsyncIteration:
+                raise ValueError(f"the body ended after {len(head)} bytes, inside its metadata") from None
+
+    await fill(_META_LEN.size)
+    (n,) = _META_LEN.unpack_from(head)
+    if n > limit:
+        raise ValueError(f"metadata of {n} bytes announced; at most {limit}")
+    end = _META_LEN.size + n
+    await fill(end)
+    meta = json.loads(bytes(head[_META_LEN.size : end]))
     if not isinstance(meta, dict):
         raise ValueError("the metadata is not a JSON object")
-    left = bytes(head[need:])
+    left = bytes(head[end:])
 
     async def rest() -> AsyncIterator[bytes]:
         if left:
@@ -183,39 +186,32 @@ class _Peers:
         assert self.session is not None
         url = f"{base}/v1/replicas/{shard.job}/{shard.role}/{shard.step}"
         meta = {"nbytes": shard.nbytes, "checksum": shard.checksum, "header": shard.header, "source": source}
-        attempt = (base, shard.job, shard.role, shard.step)
-        offset = 0
-        if attempt in self._tried:
-            offset = int((await self._json("POST", f"{url}/begin", json=meta))["received"])
-            if offset >= shard.nbytes:
-                await self._json("POST", f"{url}/commit", params={"newest": str(newest)})
-                self._tried.discard(attempt)
-                return 0
         # A private copy first (memcpy speed): a save may reuse the slot two commits later, long
         # before a slow link has carried the whole shard; the copy keeps every pushed byte useful
         # and saves never wait for the network.
-        staged = await asyncio.to_thread(bytes, shard.view())
+        staged = memoryview(await asyncio.to_thread(bytes, shard.view()))
         if not shard.current():
             raise PeerError(f"{shard.role} step {shard.step} was replaced here while being staged", 409)
+        attempt = (base, shard.job, shard.role, shard.step)
         if attempt not in self._tried:
             if len(self._tried) > _TRIED_KEPT:
                 self._tried.clear()  # only ever costs a retry the single-request path
             self._tried.add(attempt)
             try:
                 await self._json("PUT", f"{url}/whole", params={"newest": str(newest)}, session=self.push_session,
-                                 data=self._gated(memoryview(staged), 0, urgent, prefix=meta_prefix(meta)))
+                                 data=self._gated(staged, 0, urgent, prefix=meta_prefix(meta)))
             except PeerError as exc:
                 if exc.status != 409:
                     raise  # retried later through begin, from what arrived
-                offset = int((await self._json("POST", f"{url}/begin", json=meta))["received"])  # it held part already
+                # 409: the receiver holds part of it already; resume below
             else:
                 self._tried.discard(attempt)
                 self.whole_pushes += 1
                 return shard.nbytes
-        start = offset
+        start = offset = int((await self._json("POST", f"{url}/begin", json=meta))["received"])
         if start < shard.nbytes:
             offset = int((await self._json("PUT", url, params={"offset": str(start)}, session=self.push_session,
-                                           data=self._gated(memoryview(staged), start, urgent)))["received"])
+                                           data=self._gated(staged, start, urgent)))["received"])
         if offset != shard.nbytes:
             raise PeerError(f"{shard.role} step {shard.step}: the receiver has {offset} of {shard.nbytes} bytes; will resume", 502)
         await self._json("POST", f"{url}/commit", params={"newest": str(newest)})
