@@ -24,6 +24,7 @@ import aiohttp
 
 from statestore.heartbeat import Heartbeat
 from statestore.link_gate import LinkGate, Priority
+from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
 from statestore.replicas import Replica, ReplicaStore
 from statestore.slots import SlotError, SlotStore, Version
 
@@ -139,6 +140,7 @@ class _Peers:
         self._tried: set[tuple[str, str, str, int]] = set()  # shards whose single-request push did not complete
         self.whole_pushes = 0  # shards sent in one request
         self.resumed_pushes = 0  # shards sent through begin (a retry, or part already there)
+        self.already_there = 0  # re-pushes the receiver answered with "complete here": no bytes sent
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=30)
@@ -175,13 +177,16 @@ class _Peers:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise PeerError(f"{method} {url} failed: {exc!r}") from exc
 
-    async def push(self, base: str, shard: LocalShard, source: str, newest: int, urgent: Callable[[], bool] = lambda: False) -> int:
+    async def push(self, base: str, shard: LocalShard, source: str, newest: int, urgent: Callable[[], bool] = lambda: False,
+                   maybe_there: bool = False) -> int:
         """Send ``shard`` to the daemon at ``base``; returns bytes sent.
 
         A shard's first attempt is one request carrying its metadata, its bytes and the commit
         (``PUT .../whole``): three requests per shard per step were most of a daemon's HTTP
-        work in a job with short steps. A retry, or a receiver that already holds part of the
-        shard, goes through ``begin`` and resumes from the offset it answers.
+        work in a job with short steps. A retry, a receiver that already holds part of the
+        shard, or one that ``maybe_there`` (a version pushed before, sent again after a ring
+        change) goes through ``begin`` and resumes from the offset it answers — nothing more
+        if the whole shard is there.
         """
         assert self.session is not None
         url = f"{base}/v1/replicas/{shard.job}/{shard.role}/{shard.step}"
@@ -193,7 +198,7 @@ class _Peers:
         if not shard.current():
             raise PeerError(f"{shard.role} step {shard.step} was replaced here while being staged", 409)
         attempt = (base, shard.job, shard.role, shard.step)
-        if attempt not in self._tried:
+        if attempt not in self._tried and not maybe_there:
             if len(self._tried) > _TRIED_KEPT:
                 self._tried.clear()  # only ever costs a retry the single-request path
             self._tried.add(attempt)
@@ -209,9 +214,12 @@ class _Peers:
                 self.whole_pushes += 1
                 return shard.nbytes
         start = offset = int((await self._json("POST", f"{url}/begin", json=meta))["received"])
-        if start < shard.nbytes:
-            offset = int((await self._json("PUT", url, params={"offset": str(start)}, session=self.push_session,
-                                           data=self._gated(staged, start, urgent)))["received"])
+        if start == shard.nbytes:  # complete and verified there: its commit has been made
+            self._tried.discard(attempt)
+            self.already_there += 1
+            return 0
+        offset = int((await self._json("PUT", url, params={"offset": str(start)}, session=self.push_session,
+                                       data=self._gated(staged, start, urgent)))["received"])
         if offset != shard.nbytes:
             raise PeerError(f"{shard.role} step {shard.step}: the receiver has {offset} of {shard.nbytes} bytes; will resume", 502)
         await self._json("POST", f"{url}/commit", params={"newest": str(newest)})
@@ -278,6 +286,7 @@ class Replicator:
         self.peers = peers
         self._pending: dict[tuple[str, str], set[int]] = {}  # (job, role) → steps to push
         self._held: set[tuple[str, str, int]] = set()  # replicas we forward (their primary died)
+        self._again: set[tuple[str, str, int]] = set()  # sent before a ring change: the successor may hold them
         self._commits: dict[tuple[str, str], int] = {}  # per role, since this daemon started
         self._wake = asyncio.Event()
         self.successor: str | None = None
@@ -360,17 +369,23 @@ class Replicator:
         return done is not None and done[0] >= step and done[1] == self.successor
 
     def _ring_changed(self, view: dict[str, Any]) -> None:
-        """Everything whose copy may have gone: our newest versions, and the replicas we hold
-        for a primary that died (their only copy is now ours)."""
-        for rs in self.slots.roles.values():
-            for v in rs.newest():
-                self._pending.setdefault((rs.job, rs.role), set()).add(v.step)
+        """Everything whose copy may have gone: our newest versions (as many as a replica
+        keeps), and the replicas we hold for a primary that died (their only copy is now ours).
+        A version this successor has had before may be there still (a change elsewhere in the
+        ring, a view that caught up late): ``push`` asks before sending it again."""
         dead = set(view.get("dead", []))
+        again = [(rs.job, rs.role, v.step) for rs in self.slots.roles.values() for v in rs.newest(REPLICA_VERSIONS)]
         for (job, role), versions in self.replicas.complete.items():
             for r in versions.values():
                 if r.source in dead and r.kind == "replica":
                     self._held.add((job, role, r.step))
-                    self._pending.setdefault((job, role), set()).add(r.step)
+                    again.append((job, role, r.step))
+        for job, role, step in again:
+            steps = self._pending.setdefault((job, role), set())
+            done = self.replicated.get((job, role))
+            if step not in steps and done is not None and done[0] >= step and done[1] == self.successor:
+                self._again.add((job, role, step))  # pushed there already (newest first: this one too)
+            steps.add(step)
 
     async def run(self) -> None:
         backoff = 0.2
@@ -423,7 +438,8 @@ class Replicator:
                 continue
             started = time.perf_counter()
             try:
-                sent = await self.peers.push(addr, shard, self.node_id, max(self._local_steps(job, role, shard.kind)), lambda: self._urgent(job, role))
+                sent = await self.peers.push(addr, shard, self.node_id, max(self._local_steps(job, role, shard.kind)), lambda: self._urgent(job, role),
+                                             maybe_there=(job, role, step) in self._again)
             except PeerError as exc:
                 if exc.status == 409 and not shard.current():
                     self._discard(job, role, step)  # superseded here; a newer version is queued
@@ -467,6 +483,7 @@ class Replicator:
         return set(self.replicas.complete.get((job, role), {}))
 
     def _discard(self, job: str, role: str, step: int) -> None:
+        self._again.discard((job, role, step))
         steps = self._pending.get((job, role))
         if steps is not None:
             steps.discard(step)
@@ -490,6 +507,7 @@ class Replicator:
             "pushes": self.pushes,
             "pushes_in_one_request": self.peers.whole_pushes,
             "pushes_resumed": self.peers.resumed_pushes,
+            "pushes_already_there": self.peers.already_there,
             "failures": self.failures,
             "commit_waits": self.commit_waits,
             "commit_wait_seconds": round(self.commit_wait_s, 3),

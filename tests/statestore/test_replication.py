@@ -86,6 +86,26 @@ def test_commits_reach_the_successor_verified_and_follow_a_node_loss(cluster: Lo
     assert pulled["pulled_bytes"] > 0 and {r["kind"] for r in pulled["replicas"]} == {"pulled"}
 
 
+def test_a_ring_change_elsewhere_resends_nothing_the_successor_holds(cluster: LocalCluster) -> None:
+    """A node joining between others changes every daemon's ring; a predecessor whose successor
+    stayed the same asks it before sending its newest versions again (it used to send each whole
+    body only to hear "already here" — and a late ring view at start-up did the same)."""
+    _start(cluster, 2)  # n0 → n1 → n0
+    _save(cluster, 0, 0, range(1, 4))
+    until(lambda: _replicated(cluster, 0)["replicated"] == 3, what="step 3 on n1")
+    before = _daemon_state(cluster, 0)["replication"]
+    gate = httpx.get(cluster.daemons[0].url + "/v1/gate").json()["bytes_by_priority"]
+    cluster.start_daemon("--gate-chunk-kb", "64", budget_mb=64)  # n0 → n1 → n2 → n0
+
+    def sent_again() -> dict[str, Any] | None:
+        r = _daemon_state(cluster, 0)["replication"]
+        return r if r["pushes"] >= before["pushes"] + 2 and r["pending"] == 0 else None
+
+    sent = until(sent_again, what="n0's newest two versions sent to n1 again")
+    assert httpx.get(cluster.daemons[0].url + "/v1/gate").json()["bytes_by_priority"] == gate  # no body sent again
+    assert sent["successor"] == "n1" and sent["pushes_already_there"] == 2 and sent["pushes_resumed"] == before["pushes_resumed"]
+
+
 def test_restore_gathers_razored_pieces_of_dp_peers_from_other_nodes(cluster: LocalCluster) -> None:
     _start(cluster, 3)
     _save(cluster, 0, 0, range(5, 7), dp=2)  # rank 0 saves on n0, rank 1 on n1
