@@ -7,6 +7,7 @@ on the same tmpfs as the data it describes: both survive a daemon crash, both go
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,14 @@ class Index:
         with self._env.begin() as txn:
             raw = txn.get(key.encode())
         return None if raw is None else json.loads(raw)
+
+    def update(self, puts: dict[str, dict[str, Any]], deletes: Iterable[str] = ()) -> None:
+        """Several puts and deletes in one transaction: all of them happen, or none."""
+        with self._env.begin(write=True) as txn:
+            for key, value in puts.items():
+                txn.put(key.encode(), json.dumps(value).encode())
+            for key in deletes:
+                txn.delete(key.encode())
 
     def delete(self, *keys: str) -> None:
         with self._env.begin(write=True) as txn:

@@ -244,18 +244,18 @@ class SlotStore:
             header = {**rs.statics[static], **header}
         version = Version(step, slot, nbytes, digest, header, time.time(), save_block_s, static=static)
         version.commit_s = time.perf_counter() - started
-        self.index.put(_vkey(job, role, step), version.index_entry())  # the commit point
-        rs.versions[step] = version
-        rs.writing.pop(slot, None)
         # Versions above this step belong to a future the run rewound from (a restore to an
         # older step, a restarted job): they must not outrank what is saved now.
-        stale = [s for s in rs.versions if s > step]
-        stale += sorted(s for s in rs.versions if s <= step)[:-KEEP_VERSIONS]
+        kept = {*rs.versions, step}
+        stale = [s for s in kept if s > step] + sorted(s for s in kept if s <= step)[:-KEEP_VERSIONS]
+        # the commit point, and the index forgets what it replaces in the same transaction
+        self.index.update({_vkey(job, role, step): version.index_entry()}, (_vkey(job, role, s) for s in stale))
+        rs.versions[step] = version
+        rs.writing.pop(slot, None)
         dropped = {rs.versions[s].path for s in stale}
         for old in stale:
             del rs.versions[old]
         if stale:
-            self.index.delete(*(_vkey(job, role, s) for s in stale))
             self._release_unreferenced(rs, dropped - set(rs.paths))
         if len(rs.statics) > 1:
             self._forget_statics(rs)
