@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 HINTS_DIR = "hints"
 HINT_BYTES = 8  # one little-endian int64: how many collectives the process has in flight
 _RECHECK_S = 0.005  # a closed gate's waiters look again at least this often
+# uvloop (the daemon's loop, through uvicorn) counts timers in whole milliseconds and rounds:
+# asyncio.sleep(0.0005) there is no sleep at all, and the watcher spun a core at ~500,000 looks/s
+# whenever a transfer waited behind TRAIN (docs/decisions.md, "The gate's watcher spun a core").
+_TIMER_RESOLUTION_S = 0.001
 
 
 class Priority(IntEnum):
@@ -54,7 +58,7 @@ class GateConfig:
     link_bytes_s: float = 0.0  # that interface's rate; needed with ``iface``
     busy_fraction: float = 0.05  # foreign traffic above this share of the link rate means busy
     hold_s: float = 0.005  # how long foreign traffic keeps the gate closed
-    poll_s: float = 0.0005  # how often a closed gate looks again
+    poll_s: float = 0.001  # how often a closed gate looks again (no shorter: _TIMER_RESOLUTION_S)
     chunk_bytes: int = 64 << 10  # STATE moves in chunks this size (a TRAIN burst waits for ~one; bench/link_gate.py)
     enabled: bool = True  # off: only the counters run (the ungated baseline of bench/link_gate.py)
 
@@ -63,6 +67,8 @@ class GateConfig:
             raise ValueError(f"rate cap must be >= 0, got {self.rate_cap_bytes_s}")
         if self.iface and self.link_bytes_s <= 0:
             raise ValueError("watching an interface needs its link rate (--gate-link-mbit)")
+        if self.poll_s < _TIMER_RESOLUTION_S:
+            raise ValueError(f"gate poll must be >= {_TIMER_RESOLUTION_S * 1e3:g} ms (the event loop's timer resolution), got {self.poll_s * 1e3:g} ms")
         if self.chunk_bytes < 4096:
             raise ValueError(f"gate chunk must be >= 4 KiB, got {self.chunk_bytes}")
 
@@ -162,6 +168,7 @@ class LinkGate:
         self.paused_s = 0.0  # waiting for TRAIN (hints, interface) or a higher priority
         self.throttled_s = 0.0  # waiting for the rate cap
         self.pauses = 0
+        self.looks = 0  # the watcher's looks at TRAIN's signals while someone waits
         self.last_reason = ""
 
     def closed_because(self, priority: Priority = Priority.REPLICATE, critical: bool = False) -> str:
@@ -240,6 +247,7 @@ class LinkGate:
         last = time.monotonic()
         while any(self._waiting.values()):
             await asyncio.sleep(self.config.poll_s)
+            self.looks += 1
             now = time.monotonic()
             if not self.closed_because(Priority.REPLICATE) or now - last >= _RECHECK_S:
                 last = now
@@ -257,6 +265,7 @@ class LinkGate:
             "paused_s": round(self.paused_s, 6),
             "throttled_s": round(self.throttled_s, 6),
             "pauses": self.pauses,
+            "looks": self.looks,
             "waiting": {p.name.lower(): n for p, n in self._waiting.items() if n},
             "config": {
                 "rate_cap_bytes_s": self.config.rate_cap_bytes_s,

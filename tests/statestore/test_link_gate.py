@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,12 @@ def test_a_hint_holds_replication_until_the_collective_ends(pair: LocalCluster) 
             # committed here, but not a byte crosses the link while TRAIN runs
             until(lambda: _get(pair, "/v1/gate")["pauses"] >= 1, what="the push to wait at the gate")
             assert _replicated(pair) is None and _get(pair, "/v1/gate")["bytes_by_priority"]["replicate"] == 0
+            # waiting costs a look per poll (1 ms), not a spinning loop: a bound that only a
+            # faster poll can break (a slow machine looks less often)
+            looks, since = _get(pair, "/v1/gate")["looks"], time.monotonic()
+            time.sleep(0.3)
+            looks_per_ms = (_get(pair, "/v1/gate")["looks"] - looks) / ((time.monotonic() - since) * 1e3)
+            assert looks_per_ms <= 1.5, f"{looks_per_ms:.0f} looks per ms while a push waits"
         until(lambda: _replicated(pair) == 1, what="replication once the collective ended")
         gate = _get(pair, "/v1/gate")
         assert gate["open"] and gate["bytes_by_priority"]["replicate"] >= 1 << 20 and gate["paused_s"] > 0
