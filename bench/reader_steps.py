@@ -25,6 +25,7 @@ import secrets
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,6 @@ class _Traced(DataLoader):
 
     started: dict[int, float]
     spent: dict[str, list[float]]
-    _patched: Any = None
 
     def _fetch(self, step: int) -> Any:
         self.started[step] = time.perf_counter()
@@ -57,15 +57,12 @@ class _Traced(DataLoader):
         return out
 
     def _get(self, step: int) -> Any:
-        if self._patched is not None:
-            # The timing wrapper below holds its own step: a reference cycle, which left the step
-            # to the garbage collector — unmapped in batches, on whichever thread collected —
-            # and made this benchmark 15 % faster than the plain DataLoader. Broken here, the
-            # step is released as it is without the wrapper.
-            del self._patched.to_torch
         step_bytes, batch, meta = self._timed("get", super()._get, step)
-        step_bytes.to_torch = lambda b, f=step_bytes.to_torch: self._timed("to_torch", f, b)
-        self._patched = step_bytes
+        # Weakly: a wrapper holding its own step's bound method is a reference cycle, which left
+        # each step to the garbage collector — unmapped in batches, on whichever thread collected
+        # — and made this benchmark 15 % faster than the plain DataLoader.
+        to_torch = weakref.WeakMethod(step_bytes.to_torch)
+        step_bytes.to_torch = lambda b: self._timed("to_torch", to_torch(), b)
         return step_bytes, batch, meta
 
     def _prefetch(self, step: int) -> None:

@@ -22,22 +22,17 @@ class Index:
         # cache); only a machine crash could lose some, and that loses the tmpfs data anyway.
         self._env = lmdb.open(str(path), map_size=map_size, sync=False, metasync=False, max_dbs=0)
 
-    def put(self, key: str, value: dict[str, Any]) -> None:
+    def put(self, key: str, value: dict[str, Any], replacing: Iterable[str] = ()) -> None:
+        """Store ``value`` at ``key`` and delete the keys it replaces, in one transaction."""
         with self._env.begin(write=True) as txn:
             txn.put(key.encode(), json.dumps(value).encode())
+            for old in replacing:
+                txn.delete(old.encode())
 
     def get(self, key: str) -> dict[str, Any] | None:
         with self._env.begin() as txn:
             raw = txn.get(key.encode())
         return None if raw is None else json.loads(raw)
-
-    def update(self, puts: dict[str, dict[str, Any]], deletes: Iterable[str] = ()) -> None:
-        """Several puts and deletes in one transaction: all of them happen, or none."""
-        with self._env.begin(write=True) as txn:
-            for key, value in puts.items():
-                txn.put(key.encode(), json.dumps(value).encode())
-            for key in deletes:
-                txn.delete(key.encode())
 
     def delete(self, *keys: str) -> None:
         with self._env.begin(write=True) as txn:

@@ -191,14 +191,13 @@ class _Peers:
         assert self.session is not None
         url = f"{base}/v1/replicas/{shard.job}/{shard.role}/{shard.step}"
         meta = {"nbytes": shard.nbytes, "checksum": shard.checksum, "header": shard.header, "source": source}
-        # A private copy first (memcpy speed): a save may reuse the slot two commits later, long
-        # before a slow link has carried the whole shard; the copy keeps every pushed byte useful
-        # and saves never wait for the network.
-        staged = memoryview(await asyncio.to_thread(bytes, shard.view()))
-        if not shard.current():
-            raise PeerError(f"{shard.role} step {shard.step} was replaced here while being staged", 409)
         attempt = (base, shard.job, shard.role, shard.step)
-        if attempt not in self._tried and not maybe_there:
+        staged: memoryview | None = None
+        start: int | None = None  # what the receiver holds; not asked before a first attempt
+        if attempt in self._tried or maybe_there:
+            start = await self._begin(url, meta)  # asked before staging: it may hold all of it
+        else:
+            staged = await self._staged(shard)
             if len(self._tried) > _TRIED_KEPT:
                 self._tried.clear()  # only ever costs a retry the single-request path
             self._tried.add(attempt)
@@ -208,16 +207,17 @@ class _Peers:
             except PeerError as exc:
                 if exc.status != 409:
                     raise  # retried later through begin, from what arrived
-                # 409: the receiver holds part of it already; resume below
+                start = await self._begin(url, meta)  # 409: the receiver holds part of it already
             else:
                 self._tried.discard(attempt)
                 self.whole_pushes += 1
                 return shard.nbytes
-        start = offset = int((await self._json("POST", f"{url}/begin", json=meta))["received"])
         if start == shard.nbytes:  # complete and verified there: its commit has been made
             self._tried.discard(attempt)
             self.already_there += 1
             return 0
+        if staged is None:
+            staged = await self._staged(shard)
         offset = int((await self._json("PUT", url, params={"offset": str(start)}, session=self.push_session,
                                        data=self._gated(staged, start, urgent)))["received"])
         if offset != shard.nbytes:
@@ -226,6 +226,20 @@ class _Peers:
         self._tried.discard(attempt)
         self.resumed_pushes += 1
         return offset - start
+
+    async def _begin(self, url: str, meta: dict[str, Any]) -> int:
+        """Announce a shard to the receiver; the offset it holds it up to."""
+        return int((await self._json("POST", f"{url}/begin", json=meta))["received"])
+
+    @staticmethod
+    async def _staged(shard: LocalShard) -> memoryview:
+        """A private copy of ``shard`` (memcpy speed): a save may reuse the slot two commits
+        later, long before a slow link has carried the whole shard; the copy keeps every pushed
+        byte useful and saves never wait for the network."""
+        staged = memoryview(await asyncio.to_thread(bytes, shard.view()))
+        if not shard.current():
+            raise PeerError(f"{shard.role} step {shard.step} was replaced here while being staged", 409)
+        return staged
 
     async def _gated(self, view: memoryview, start: int, urgent: Callable[[], bool], prefix: bytes = b"") -> AsyncIterator[memoryview | bytes]:
         """One request's body, fed a chunk at a time as the gate allows; the connection's small

@@ -249,7 +249,7 @@ class SlotStore:
         kept = {*rs.versions, step}
         stale = [s for s in kept if s > step] + sorted(s for s in kept if s <= step)[:-KEEP_VERSIONS]
         # the commit point, and the index forgets what it replaces in the same transaction
-        self.index.update({_vkey(job, role, step): version.index_entry()}, (_vkey(job, role, s) for s in stale))
+        self.index.put(_vkey(job, role, step), version.index_entry(), replacing=(_vkey(job, role, s) for s in stale))
         rs.versions[step] = version
         rs.writing.pop(slot, None)
         dropped = {rs.versions[s].path for s in stale}
