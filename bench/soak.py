@@ -1,7 +1,10 @@
 """Chaos soak: the example GPT job (2 nodes x 2 workers, one torchrun per node) under random
 failures every few steps — worker SIGKILL, daemon SIGKILL (restarted on the same shared memory),
-node loss (torchrun, workers, daemon and shared memory gone; a replacement node joins), link cut
-and data-server restart — then checks what the mission promises: every failure recovered, at
+node loss (torchrun, workers, daemon and shared memory gone; a replacement node joins), link cut,
+data-server restart, a corrupt copy (bytes flipped in the newest slot of a role, and half the
+time in its replica too, then a worker SIGKILLed so a restore meets it), a damaged index (the
+daemon SIGKILLed, its LMDB index garbled or deleted, restarted) and a successor that stops
+answering but keeps beating (its port drops every packet until the job has recovered) — then checks what the mission promises: every failure recovered, at
 most one lost step each, every batch of the final history the one the failure-free run used
 (every sample exactly once), and final weights bitwise-equal to that run.
 
@@ -34,11 +37,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import _faults  # noqa: E402
 from bench._common import RESULTS  # noqa: E402
 from trainer_client.job_runner import LocalJobs  # noqa: E402
 from trainer_client.torchrun import TorchrunNode, descendants  # noqa: E402
 
-KINDS = ("worker_kill", "daemon_kill", "node_loss", "link_cut", "dataserver_restart")
+KINDS = ("worker_kill", "daemon_kill", "node_loss", "link_cut", "dataserver_restart", "corrupt_copy", "damage_index", "successor_unreachable")
 JOB, REFERENCE = "soak", "reference"
 
 
@@ -50,6 +54,7 @@ class Soak(LocalJobs):
         self.rng = random.Random(seed)
         self.placement: list[int] = [0, 1]  # torchrun node position → daemon index
         self.records: list[dict[str, Any]] = []
+        self._heal: list[Any] = []  # undone once the job has recovered (a port made unreachable)
 
     def progressed(self, nodes: list[TorchrunNode], beyond: int, since: float, timeout_s: float = 180) -> bool:
         """Whether every rank saved a step past ``beyond`` after ``since`` (or the job finished)."""
@@ -107,9 +112,65 @@ class Soak(LocalJobs):
             port = int(self.cluster.dataserver.ready["port"])  # type: ignore[call-overload]
             self.cluster.dataserver.kill()
             self.cluster.start_dataserver(port=port)
+        elif kind == "corrupt_copy":
+            hit = self._corrupt_and_kill(pos, nodes)
+        elif kind == "damage_index":
+            d = self.placement[pos]
+            self.cluster.daemons[self._daemon_slot(d)].kill()
+            index = self.cluster.roots[d] / "_index"
+            if self.rng.random() < 0.5:
+                data = index / "data.mdb"
+                data.write_bytes(self.rng.randbytes(data.stat().st_size))  # garbled: LMDB refuses it
+            else:
+                shutil.rmtree(index)  # gone: the daemon would forget every slot
+            self.cluster.start_daemon(index=d, budget_mb=512)
+        elif kind == "successor_unreachable":
+            d = self.placement[pos]
+            proc = self.cluster.daemons[self._daemon_slot(d)]
+            port = int(proc.ready["port"])  # type: ignore[call-overload]
+            _faults.unreachable(proc.pid, port)  # it keeps beating: only its peers cannot reach it
+            self._heal.append(lambda: _faults.heal(proc.pid, port) if proc.popen.poll() is None else None)
         else:
             raise ValueError(f"unknown failure kind {kind!r}; choose from {KINDS}")
         return hit
+
+    def _corrupt_and_kill(self, pos: int, nodes: list[TorchrunNode]) -> float:
+        """Flip bytes in the newest committed slot of a role on the node (and, half the time, in
+        its replica on the other node too), then SIGKILL a worker: the restore that follows meets
+        the damage. The node is frozen meanwhile, so the damaged version stays the newest."""
+        d = self.placement[pos]
+        victim = self.worker_pid(f"n{d}", time.time() - 30, JOB)
+        frozen = [nodes[pos].popen.pid, *descendants(nodes[pos].popen.pid)]  # type: ignore[union-attr]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            daemon = self.cluster.daemons[self._daemon_slot(d)]
+            roles = [r for r in self.get(daemon.url + "/v1/state")["roles"] if r["job"] == JOB and r["versions"]]
+            role = self.rng.choice(roles)
+            newest = role["versions"][0]
+            _faults.flip(self.cluster.roots[d] / newest["slot"], newest["nbytes"] // 2)
+            if self.rng.random() < 0.5:  # every copy of that step: the job falls back one step
+                other = self.placement[1 - pos]
+                rel = Path(JOB) / "replica" / role["role"] / f"{newest['step']:012d}.bin"
+                if (self.cluster.roots[other] / rel).exists():
+                    _faults.flip(self.cluster.roots[other] / rel, newest["nbytes"] // 3)
+            hit = time.time()
+            os.kill(victim, signal.SIGKILL)
+        finally:
+            for pid in frozen:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        return hit
+
+    @staticmethod
+    def get(url: str) -> dict[str, Any]:
+        import urllib.request
+
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            result: dict[str, Any] = json.loads(resp.read())
+            return result
 
     def _daemon_slot(self, index: int) -> int:
         """Position in ``cluster.daemons`` of the live daemon for node ``n<index>``."""
@@ -149,6 +210,9 @@ class Soak(LocalJobs):
                 "seconds_to_progress": round(time.time() - failed_at, 2),
             }
             self.records.append(rec)
+            for undo in self._heal:
+                undo()
+            self._heal.clear()
             print(f"  {i + 1:4d} {kind:20s} recovered={recovered} lost={rec['steps_lost']} ({rec['seconds_to_progress']} s)", flush=True)
             if not recovered:
                 self.diagnose()

@@ -1,4 +1,10 @@
-"""The data server's HTTP API (FastAPI): datasets, jobs, plans and the batch stream."""
+"""The data server's HTTP API (FastAPI): datasets, jobs, plans and the batch stream.
+
+Every integer a client sends has a bound in the schema and every name a length (and a pattern),
+integers are strict (``true`` is not 1), and each route documents the 4xx codes it answers, all
+with a ``{"detail": str}`` body that says what to change. Requests that carry a body are judged
+on their token and size before the body is read (``httpserver.BodyGuard``).
+"""
 
 from __future__ import annotations
 
@@ -8,54 +14,191 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
-from fastapi.responses import StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from pydantic import BaseModel, Field
+import aiohttp
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    generate_latest,
+)
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, with_config
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from typing_extensions import NotRequired, TypedDict
 
-from dataserver.catalog import Catalog, DatasetError
+from dataserver.catalog import NAME_PATTERN, Catalog, DatasetError
 from dataserver.config import ServeConfig
-from dataserver.coordinator import Coordinator, listen_udp
-from dataserver.httpserver import BearerAuth, load_token
-from dataserver.jobs import Job, JobConflict, JobError, JobRegistry, JobSpec
+from dataserver.coordinator import (
+    AddressError,
+    Coordinator,
+    MembershipConflict,
+    listen_udp,
+)
+from dataserver.httpserver import BearerAuth, BodyGuard, load_token
+from dataserver.jobs import (
+    LAYOUT_LIMIT,
+    SEED_LIMIT,
+    STEP_LIMIT,
+    BrokenJob,
+    Job,
+    JobBroken,
+    JobConflict,
+    JobError,
+    JobRegistry,
+    JobSpec,
+)
 from dataserver.planner import Generation
-from dataserver.stream import MEDIA_TYPE, WholeBody, encode_steps
+from dataserver.stream import MEDIA_TYPE, StepEncoder, WholeBody, encode_steps
 
 log = logging.getLogger(__name__)
 _WHOLE_BODY_STEPS = 4
+# The whole-body path materialises the response; above this (estimated) size it streams instead.
+_WHOLE_BODY_BYTES = 64 << 20
+# A step estimated above this is encoded on a worker thread, so the event loop (health checks,
+# heartbeats) keeps answering while it is gathered; smaller steps are encoded on the loop, which
+# measured faster for the usual ~4 MiB steps (docs/decisions.md, "Data path, fourth pass").
+_INLINE_STEP_BYTES = 16 << 20
+MAX_COUNT = 1 << 16  # the schema's bound on steps per request; --max-steps-per-request is at most this
+_NAME_LEN = 128
+_PROBE_S = 1.5  # how long the coordinator waits for a reported node's health check
+_REPROBE_S = 2.0  # how often unreachable members are checked again
+_ROLE_LIMIT = 1 << 20  # roles a layout may have (dp x pp x tp), as listed in an inventory entry
+
+Name = Annotated[str, Field(min_length=1, max_length=_NAME_LEN, pattern=NAME_PATTERN)]
+ShortStr = Annotated[str, Field(min_length=1, max_length=_NAME_LEN)]
+PathName = Annotated[str, Path(min_length=1, max_length=_NAME_LEN, pattern=NAME_PATTERN, description="a job or dataset name")]
+DpRank = Annotated[int, Query(ge=0, lt=LAYOUT_LIMIT)]
+Step = Annotated[int, Query(ge=0, lt=STEP_LIMIT)]
+Count = Annotated[int, Query(ge=1, le=MAX_COUNT)]
+NodeId = Annotated[str, Path(min_length=1, max_length=_NAME_LEN, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")]
 
 
-class JobCreate(BaseModel):
-    name: str = Field(min_length=1, max_length=128)
-    dataset: str = Field(min_length=1, max_length=256)
-    dp: int = Field(ge=1, le=1 << 20)
-    batch_per_rank: int = Field(ge=1, le=1 << 20)
-    seed: int = Field(default=0, ge=0, lt=1 << 63)
-    max_steps: int | None = Field(default=None, ge=1)
+class ErrorDetail(BaseModel):
+    """Every 4xx answer: what was wrong and what to do about it."""
+
+    detail: str
 
 
-class GenerationCreate(BaseModel):
-    start_step: int = Field(ge=1)
-    dp: int = Field(ge=1, le=1 << 20)
-    batch_per_rank: int = Field(ge=1, le=1 << 20)
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    what = {
+        401: "missing or wrong bearer token",
+        404: "unknown dataset, job or node",
+        409: "conflicts with the job or membership as it is (the message names what)",
+        413: "request too large: body, steps or bytes per request",
+        416: "step or dp rank outside the job",
+        422: "invalid request: the message names the field and the bound",
+        503: "the server cannot serve this now (the message says why)",
+    }
+    return {c: {"model": ErrorDetail, "description": what[c]} for c in codes}
 
 
-class UdpSession(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class JobCreate(_Strict):
+    name: Name
+    dataset: Name
+    dp: int = Field(ge=1, le=LAYOUT_LIMIT)
+    batch_per_rank: int = Field(ge=1, le=LAYOUT_LIMIT)
+    seed: int = Field(default=0, ge=0, lt=SEED_LIMIT, description="any unsigned 64-bit integer")
+    max_steps: int | None = Field(default=None, ge=1, le=STEP_LIMIT)
+
+
+class GenerationCreate(_Strict):
+    start_step: int = Field(ge=1, lt=STEP_LIMIT)
+    dp: int = Field(ge=1, le=LAYOUT_LIMIT)
+    batch_per_rank: int = Field(ge=1, le=LAYOUT_LIMIT)
+    replan_served: StrictBool = Field(
+        default=False,
+        description="accept a start at or before the newest step served: the batches served from start_step on "
+        "were only prefetched by node caches and no worker trained on them (never before a committed step)",
+    )
+
+
+class UnreachableReport(_Strict):
+    reporter: str = Field(min_length=1, max_length=_NAME_LEN, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")  # the node that could not connect
+
+
+class UnreachableAnswer(BaseModel):
+    node_id: str
+    unreachable: bool  # whether the node is out of the ring now
+    detail: str
+
+
+class UdpSession(_Strict):
     session: str = Field(pattern=r"^[0-9a-f]{16}$")  # the daemon process's random UDP session id
     counter: int = Field(ge=0, lt=1 << 64)  # the highest message counter it has used
     inv_version: int = Field(ge=0, lt=1 << 64)  # the version of the inventory in this heartbeat
 
 
-class Heartbeat(BaseModel):
-    node_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
-    address: str = Field(min_length=1, max_length=256)
-    budget_bytes: int = Field(ge=0)
-    inventory: dict[str, dict[str, list[dict[str, Any]]]] = Field(default_factory=dict)
-    workers: list[dict[str, Any]] = Field(default_factory=list)
-    exited: list[dict[str, Any]] = Field(default_factory=list)
+# TypedDicts, not models: validated as strictly, but they stay the dicts the coordinator keeps
+# (a full heartbeat's inventory is parsed in ~1.5x the time of the unchecked dicts, not 2.5x).
+# Keys a later daemon may add are dropped.
+@with_config(ConfigDict(strict=True))
+class InventoryEntry(TypedDict):
+    step: Annotated[int, Field(ge=0, lt=STEP_LIMIT)]
+    checksum: NotRequired[Annotated[str, Field(max_length=128)]]
+    nbytes: NotRequired[Annotated[int, Field(ge=0, lt=1 << 62)]]
+    layout_roles: NotRequired[Annotated[list[ShortStr], Field(max_length=_ROLE_LIMIT)]]
+    replica_of: NotRequired[ShortStr]
+
+
+@with_config(ConfigDict(strict=True))
+class WorkerInfo(TypedDict):
+    pid: Annotated[int, Field(ge=0, lt=1 << 32)]
+    job: NotRequired[ShortStr]
+    role: NotRequired[ShortStr]
+    dp_rank: NotRequired[Annotated[int, Field(ge=0, lt=LAYOUT_LIMIT)]]
+
+
+class Heartbeat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    node_id: str = Field(min_length=1, max_length=_NAME_LEN, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+    address: str = Field(
+        min_length=1,
+        max_length=256,
+        pattern=r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?/?$",
+        description="http://HOST:PORT its peers reach it at (not loopback across hosts, not 0.0.0.0)",
+    )
+    budget_bytes: int = Field(ge=0, lt=1 << 62)
+    # job → role → committed versions held on the node
+    inventory: dict[ShortStr, dict[ShortStr, list[InventoryEntry]]] = Field(default_factory=dict, max_length=1024)
+    workers: list[WorkerInfo] = Field(default_factory=list, max_length=4096)
+    exited: list[WorkerInfo] = Field(default_factory=list, max_length=4096)
     udp: UdpSession | None = None  # present when the daemon will send UDP beats
+
+
+class RingView(BaseModel):
+    epoch: int
+    version: int
+    ring: list[str]
+    members: dict[str, str]
+    dead: list[str]
+    successor: str | None
+    successor_address: str | None
+    udp_port: int | None
+
+
+class GenerationView(BaseModel):
+    start_step: int
+    dp: int
+    batch_per_rank: int
+
+
+class JobView(BaseModel):
+    name: str
+    dataset: dict[str, Any] | None = Field(description="the dataset's description, or {name, error} if it cannot be opened")
+    seed: int | None
+    max_steps: int | None
+    generations: list[GenerationView]
+    served_step: int | None = Field(description="the newest step whose batches were handed out; a generation must start after it")
+    broken: str | None = Field(default=None, description="why the job's record could not be loaded; it serves nothing until fixed")
 
 
 class _Metrics:
@@ -65,18 +208,49 @@ class _Metrics:
         self.bytes = Counter("ffplane_dataserver_bytes_served", "Arrow IPC bytes streamed", ["job"], registry=self.registry)
 
 
-def _job_view(job: Job, catalog: Catalog) -> dict[str, Any]:
+def _describe(catalog: Catalog, dataset: str) -> dict[str, Any]:
+    try:
+        return catalog.get(dataset).describe()
+    except KeyError:
+        return {"name": dataset, "error": f"dataset {dataset!r} is not in the data directory any more"}
+    except (DatasetError, OSError) as exc:
+        return {"name": dataset, "error": str(exc)}
+
+
+def _job_view(job: Job, catalog: Catalog) -> JobView:
     spec = job.spec
-    return {
-        "name": spec.name,
-        "dataset": catalog.get(spec.dataset).describe(),
-        "seed": spec.seed,
-        "max_steps": spec.max_steps,
-        "generations": [
-            {"start_step": g.start_step, "dp": g.dp, "batch_per_rank": g.batch_per_rank}
-            for g in spec.generations
-        ],
-    }
+    return JobView(
+        name=spec.name,
+        dataset=_describe(catalog, spec.dataset),
+        seed=spec.seed,
+        max_steps=spec.max_steps,
+        generations=[GenerationView(start_step=g.start_step, dp=g.dp, batch_per_rank=g.batch_per_rank) for g in spec.generations],
+        served_step=job.served_step,
+    )
+
+
+def _broken_view(broken: BrokenJob) -> JobView:
+    spec = broken.spec
+    return JobView(
+        name=broken.name,
+        dataset={"name": spec.dataset} if spec is not None else None,
+        seed=spec.seed if spec is not None else None,
+        max_steps=spec.max_steps if spec is not None else None,
+        generations=[GenerationView(start_step=g.start_step, dp=g.dp, batch_per_rank=g.batch_per_rank) for g in spec.generations] if spec is not None else [],
+        served_step=None,
+        broken=broken.reason,
+    )
+
+
+def _validation_detail(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:8]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        if err.get("type") == "string_pattern_mismatch":
+            parts.append(f"{loc}: {str(err.get('input'))[:140]!r} must match {err.get('ctx', {}).get('pattern')}")
+        else:
+            parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
 
 
 def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
@@ -85,20 +259,34 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     jobs = JobRegistry(config.resolved_state_dir())
     auth = BearerAuth(token if token is not None else load_token(config.token_file))
     metrics = _Metrics()
-    coordinator = Coordinator(config.dead_after_s, auth.token)
+    coordinator = Coordinator(config.dead_after_s, auth.token, forget_after_s=config.forget_dead_after_s)
 
-    async def bounded(request: Request) -> None:  # async: no thread-pool hop per request
-        size = int(request.headers.get("content-length") or 0)
-        if size > config.max_body_bytes:
-            raise HTTPException(413, f"request body of {size} bytes exceeds the limit of {config.max_body_bytes}")
-
-    needs_token = [Depends(bounded), Depends(auth)]
+    needs_token = [Depends(auth)]  # the body and its size are judged by BodyGuard before this
+    secured: dict[str, Any] = {"security": [{"bearer": []}]}
     # Batches are encoded on the event loop, step by step (~0.5 ms per 4 MiB): with a thread
     # per concurrent request the GIL changed hands ~250 times per step (futex storm, 2.6 ms of
     # system time), and even one encoder thread's hand-offs cost more than they overlapped on
     # 2 cores (docs/decisions.md, "Data path, fourth pass"). Opening a dataset, which can take
-    # seconds, still runs off the loop, on this one thread.
+    # seconds, still runs off the loop, on this one thread; steps too big to encode without
+    # stalling the loop run on the other.
     opener = ThreadPoolExecutor(1, thread_name_prefix="open-dataset")
+    big_steps = ThreadPoolExecutor(1, thread_name_prefix="encode-big-step")
+
+    async def answers(address: str) -> bool:
+        """Whether a daemon's peer port answers the coordinator (its health check, within 1.5 s)."""
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_PROBE_S)) as session, session.get(f"{address}/v1/health") as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return False
+
+    async def reprobe() -> None:
+        """Members taken out of the ring as unreachable go back once they answer again."""
+        while True:
+            await asyncio.sleep(_REPROBE_S)
+            for node_id, address in coordinator.unreachable().items():
+                if await answers(address):
+                    coordinator.set_unreachable(node_id, False)
 
     async def sweep() -> None:
         due = time.monotonic()
@@ -110,11 +298,15 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             due = time.monotonic() + config.sweep_s
             await asyncio.sleep(config.sweep_s)
 
+    def num_samples_of(dataset: str) -> int:
+        return catalog.get(dataset).num_samples
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        names = jobs.load(lambda ds: catalog.get(ds).num_samples)
-        log.info("dataserver ready", extra={"datasets": catalog.names(), "jobs": names})
+        names = jobs.load(num_samples_of)
+        log.info("dataserver ready", extra={"datasets": catalog.names(), "jobs": names, "broken_jobs": sorted(set(jobs.names()) - set(names))})
         sweeper = asyncio.create_task(sweep(), name="coordinator sweep")
+        prober = asyncio.create_task(reprobe(), name="coordinator reprobe")
         udp = None
         if config.heartbeat_udp_port >= 0 and auth.token is not None:
             udp = await listen_udp(coordinator, config.host, config.heartbeat_udp_port)
@@ -122,52 +314,91 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         if udp is not None:
             udp.close()
         sweeper.cancel()
+        prober.cancel()
         opener.shutdown(wait=True, cancel_futures=True)
+        big_steps.shutdown(wait=True, cancel_futures=True)
         catalog.close()
 
     app = FastAPI(title="ffplane dataserver", version="0.1.0", lifespan=lifespan)
 
-    def job_or_404(name: str) -> Job:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _validation_detail(exc)}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400:  # FastAPI's answer to a body it cannot decode (not UTF-8)
+            return JSONResponse({"detail": "the body could not be decoded: send a UTF-8 JSON object"}, status_code=422)
+        return await http_exception_handler(request, exc)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "the job token ($FFPLANE_TOKEN)"}
+            }
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    def job_or_error(name: str) -> Job:
         try:
             return jobs.get(name)
         except KeyError as exc:
             raise HTTPException(404, str(exc.args[0])) from exc
+        except JobBroken as exc:
+            raise HTTPException(409, str(exc)) from exc
+
+    def layout_refusal(dp: int, batch_per_rank: int, sample_bytes: int) -> str | None:
+        if dp * batch_per_rank > config.max_samples_per_step:
+            return (
+                f"dp={dp} x batch_per_rank={batch_per_rank} = {dp * batch_per_rank} samples per step exceeds "
+                f"this server's limit of {config.max_samples_per_step} (--max-samples-per-step)"
+            )
+        if batch_per_rank * sample_bytes > config.max_bytes_per_request:
+            return (
+                f"one rank's step of batch_per_rank={batch_per_rank} samples of ~{sample_bytes} bytes would be "
+                f"{batch_per_rank * sample_bytes} bytes, over the limit of {config.max_bytes_per_request} bytes per "
+                f"request (--max-bytes-per-request); lower batch_per_rank"
+            )
+        return None
 
     @app.get("/v1/health")
-    def health() -> dict[str, str]:
+    async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/v1/datasets")
     def list_datasets() -> list[dict[str, Any]]:
-        out = []
-        for name in catalog.names():
-            try:
-                out.append(catalog.get(name).describe())
-            except DatasetError as exc:
-                out.append({"name": name, "error": str(exc)})
-        return out
+        return [_describe(catalog, name) for name in catalog.names()]
 
-    @app.get("/v1/datasets/{name}")
-    def get_dataset(name: str) -> dict[str, Any]:
+    @app.get("/v1/datasets/{name}", responses=_errors(404, 422))
+    def get_dataset(name: PathName) -> dict[str, Any]:
         try:
             return catalog.get(name).describe()
         except KeyError as exc:
             raise HTTPException(404, str(exc.args[0])) from exc
-        except DatasetError as exc:
+        except (DatasetError, OSError) as exc:
             raise HTTPException(422, str(exc)) from exc
 
-    @app.post("/v1/jobs", status_code=201, dependencies=needs_token)
-    def create_job(body: JobCreate, response: Response) -> dict[str, Any]:
+    @app.post("/v1/jobs", status_code=201, dependencies=needs_token, responses={200: {"model": JobView, "description": "the same job existed already"}, **_errors(401, 404, 409, 413, 422)}, openapi_extra=secured)
+    def create_job(body: JobCreate, response: Response) -> JobView:
         try:
             dataset = catalog.get(body.dataset)
+            sample_bytes = catalog.sample_bytes(body.dataset)
         except KeyError as exc:
             raise HTTPException(404, str(exc.args[0])) from exc
-        except DatasetError as exc:
+        except (DatasetError, OSError) as exc:
             raise HTTPException(422, str(exc)) from exc
+        refused = layout_refusal(body.dp, body.batch_per_rank, sample_bytes)
+        if refused is not None:
+            raise HTTPException(422, refused)
         try:
             spec = JobSpec(**body.model_dump())
             job, created = jobs.create(spec, dataset.num_samples)
-        except JobConflict as exc:
+        except JobConflict as exc:  # JobBroken is one
             raise HTTPException(409, str(exc)) from exc
         except (JobError, ValueError) as exc:
             raise HTTPException(422, str(exc)) from exc
@@ -180,21 +411,39 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     def list_jobs() -> list[str]:
         return jobs.names()
 
-    @app.get("/v1/jobs/{name}")
-    def get_job(name: str) -> dict[str, Any]:
-        return _job_view(job_or_404(name), catalog)
+    @app.get("/v1/jobs/{name}", responses=_errors(404, 422))
+    def get_job(name: PathName) -> JobView:
+        broken = jobs.broken(name)
+        if broken is not None:
+            return _broken_view(broken)
+        return _job_view(job_or_error(name), catalog)
 
-    @app.post("/v1/jobs/{name}/generations", dependencies=needs_token)
-    def add_generation(name: str, body: GenerationCreate) -> dict[str, Any]:
-        job_or_404(name)
+    # Async: the committed step comes from the coordinator, which lives on the event loop.
+    @app.post("/v1/jobs/{name}/generations", dependencies=needs_token, responses=_errors(401, 404, 409, 413, 422), openapi_extra=secured)
+    async def add_generation(name: PathName, body: GenerationCreate) -> JobView:
+        job = job_or_error(name)
         try:
-            job = jobs.add_generation(name, Generation(**body.model_dump()))
-        except ValueError as exc:
+            sample_bytes = catalog.known_sample_bytes(job.spec.dataset)
+            if sample_bytes is None:
+                sample_bytes = await asyncio.get_running_loop().run_in_executor(opener, catalog.sample_bytes, job.spec.dataset)
+        except KeyError as exc:
+            raise HTTPException(409, f"job {name!r}'s dataset is gone: {exc.args[0]}") from exc
+        except (DatasetError, OSError) as exc:
+            raise HTTPException(409, f"job {name!r}'s dataset cannot be read: {exc}") from exc
+        refused = layout_refusal(body.dp, body.batch_per_rank, sample_bytes)
+        if refused is not None:
+            raise HTTPException(422, refused)
+        gen = Generation(body.start_step, body.dp, body.batch_per_rank)
+        try:
+            job = jobs.add_generation(name, gen, coordinator.newest_step(name), body.replan_served)
+        except JobConflict as exc:
             raise HTTPException(409, str(exc)) from exc
+        except JobError as exc:
+            raise HTTPException(422, str(exc)) from exc
         log.info("new generation", extra={"job": name, **body.model_dump()})
         return _job_view(job, catalog)
 
-    def check_tid(job: Job, dp_rank: int, step: int) -> None:
+    def check_tid(job: Job, dp_rank: int, step: int) -> Generation:
         try:
             job.check_step(step)
             gen, _ = job.planner.generation_at(step)
@@ -204,10 +453,11 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             raise HTTPException(
                 416, f"dp_rank {dp_rank} out of range: step {step} has dp={gen.dp}"
             )
+        return gen
 
-    @app.get("/v1/jobs/{name}/plan")
-    def get_plan(name: str, dp_rank: Annotated[int, Query(ge=0)], step: Annotated[int, Query(ge=0)]) -> dict[str, Any]:
-        job = job_or_404(name)
+    @app.get("/v1/jobs/{name}/plan", responses=_errors(404, 409, 416, 422))
+    def get_plan(name: PathName, dp_rank: DpRank, step: Step) -> dict[str, Any]:
+        job = job_or_error(name)
         check_tid(job, dp_rank, step)
         plan = job.planner.plan(dp_rank, step)
         return {"step": step, "dp_rank": dp_rank, "epoch": plan.epoch, "indices": plan.indices.tolist()}
@@ -215,57 +465,107 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     @app.get(
         "/v1/jobs/{name}/batches",
         response_class=StreamingResponse,
-        responses={200: {"content": {MEDIA_TYPE: {}}}},
+        responses={200: {"content": {MEDIA_TYPE: {}}}, **_errors(401, 404, 409, 413, 416, 422, 503)},
         dependencies=needs_token,
+        openapi_extra=secured,
     )
-    async def stream_batches(
-        name: str,
-        dp_rank: Annotated[int, Query(ge=0)],
-        start: Annotated[int, Query(ge=0)],
-        count: Annotated[int, Query(ge=1)] = 1,
-    ) -> Response:
+    async def stream_batches(name: PathName, dp_rank: DpRank, start: Step, count: Count = 1) -> Response:
         """The batches of ``dp_rank`` for steps ``start .. start+count-1`` as one Arrow IPC stream."""
-        job = job_or_404(name)
+        job = job_or_error(name)
         if count > config.max_steps_per_request:
             raise HTTPException(413, f"count={count} exceeds the limit of {config.max_steps_per_request} steps per request")
-        for step in range(start, start + count):
-            check_tid(job, dp_rank, step)
-        dataset = catalog.opened(job.spec.dataset)
-        if dataset is None:
-            dataset = await asyncio.get_running_loop().run_in_executor(opener, catalog.get, job.spec.dataset)
         steps = range(start, start + count)
+        batch_sizes = [check_tid(job, dp_rank, step).batch_per_rank for step in steps]
+        dataset = catalog.opened(job.spec.dataset)
+        sample_bytes = catalog.known_sample_bytes(job.spec.dataset)
+        try:
+            if dataset is None or sample_bytes is None:
+                dataset = await asyncio.get_running_loop().run_in_executor(opener, catalog.get, job.spec.dataset)
+                sample_bytes = await asyncio.get_running_loop().run_in_executor(opener, catalog.sample_bytes, job.spec.dataset)
+        except KeyError as exc:
+            raise HTTPException(409, f"job {name!r}'s dataset is gone: {exc.args[0]}") from exc
+        except (DatasetError, OSError) as exc:
+            raise HTTPException(503, f"job {name!r}'s dataset cannot be read: {exc}") from exc
+        step_bytes = [b * sample_bytes for b in batch_sizes]
+        total = sum(step_bytes)
+        if total > config.max_bytes_per_request:
+            fit = max(1, config.max_bytes_per_request // max(step_bytes))
+            raise HTTPException(
+                413,
+                f"{count} steps of ~{max(step_bytes)} bytes each would be ~{total} bytes, over the limit of "
+                f"{config.max_bytes_per_request} bytes per request; ask for count={fit} or fewer",
+            )
+        try:
+            jobs.note_served(job, start + count - 1)  # before any byte leaves
+        except OSError as exc:
+            raise HTTPException(503, f"cannot record the served step of job {name!r}: {exc}") from exc
 
         headers = {"X-FFplane-Steps": f"{start}-{start + count - 1}"}
-        if count <= _WHOLE_BODY_STEPS:
-            # Few steps: one body with a Content-Length. Chunked streaming costs a chunk header
-            # per piece, and measured ~2x slower for single 4 MiB steps.
-            parts = list(encode_steps(dataset, job.planner, dp_rank, steps))
+        planner = job.planner
+        if count <= _WHOLE_BODY_STEPS and total <= _WHOLE_BODY_BYTES and max(step_bytes) <= _INLINE_STEP_BYTES:
+            # Few small steps: one body with a Content-Length, encoded here on the loop. Chunked
+            # streaming costs a chunk header per piece, and measured ~2x slower for single 4 MiB steps.
+            parts = list(encode_steps(dataset, planner, dp_rank, steps))
             whole = WholeBody(parts, MEDIA_TYPE, headers)
             metrics.bytes.labels(name).inc(whole.nbytes)
             metrics.steps.labels(name).inc(count)
             return whole
 
+        encoder = StepEncoder(dataset, planner, dp_rank)
+        loop = asyncio.get_running_loop()
+
         async def body() -> AsyncIterator[bytes | memoryview]:
-            for chunk in encode_steps(dataset, job.planner, dp_rank, steps):
-                metrics.bytes.labels(name).inc(len(chunk))
-                yield chunk  # the loop sends it before the next step is encoded
+            for step, nbytes in zip(steps, step_bytes):
+                if nbytes > _INLINE_STEP_BYTES:
+                    parts = await loop.run_in_executor(big_steps, encoder.step, step)
+                else:
+                    parts = encoder.step(step)
+                for chunk in parts:
+                    metrics.bytes.labels(name).inc(len(chunk))
+                    yield chunk  # the loop sends it before the next step is encoded
+            for chunk in encoder.close():
+                yield chunk
             metrics.steps.labels(name).inc(count)
 
         return StreamingResponse(body(), media_type=MEDIA_TYPE, headers=headers)
 
     # Coordinator endpoints are async: they run on the event loop, one at a time, so membership
     # needs no lock (sync endpoints would run concurrently in the thread pool) and skip a thread hop.
-    @app.post("/v1/nodes/heartbeat", dependencies=needs_token)
-    async def heartbeat(body: Heartbeat) -> Response:
+    @app.post("/v1/nodes/heartbeat", dependencies=needs_token, response_class=Response, responses={200: {"model": RingView}, **_errors(401, 409, 413, 422)}, openapi_extra=secured)
+    async def heartbeat(body: Heartbeat, request: Request) -> Response:
         """A node daemon's full heartbeat: registers it, records its shard inventory and workers.
         Answers the ring view (ring, members' addresses, dead nodes, this node's successor) and
         the UDP port for its next beats."""
         udp = body.udp.model_dump() if body.udp is not None else None
-        coordinator.heartbeat(body.node_id, body.address, body.budget_bytes, body.inventory, body.workers, body.exited, udp)
+        client = request.client.host if request.client is not None else None
+        workers = cast(list[dict[str, Any]], body.workers)
+        exited = cast(list[dict[str, Any]], body.exited)
+        try:
+            coordinator.heartbeat(body.node_id, body.address, body.budget_bytes, body.inventory, workers, exited, udp, client_host=client)
+        except AddressError as exc:
+            raise HTTPException(422, str(exc)) from exc
+        except MembershipConflict as exc:
+            raise HTTPException(409, str(exc)) from exc
         return Response(coordinator.view_bytes(body.node_id), media_type="application/json")
 
-    @app.get("/v1/nodes/view")
-    async def nodes_view(node_id: str | None = None) -> Response:
+    @app.post("/v1/nodes/{node_id}/unreachable", dependencies=needs_token, responses=_errors(401, 404, 413, 422), openapi_extra=secured)
+    async def unreachable(node_id: NodeId, body: UnreachableReport) -> UnreachableAnswer:
+        """A daemon reports that its ring successor ``node_id`` beats but takes no connection. The
+        coordinator checks for itself: if the node does not answer it either, it leaves the ring
+        (its predecessor replicates past it) until a later check finds it answering."""
+        m = coordinator.members.get(node_id)
+        if m is None or not m.alive:
+            raise HTTPException(404, f"node {node_id!r} is not a live member; nothing to do")
+        if m.unreachable:
+            return UnreachableAnswer(node_id=node_id, unreachable=True, detail="out of the ring already")
+        if await answers(m.address):
+            return UnreachableAnswer(node_id=node_id, unreachable=False, detail=f"{m.address} answers the coordinator; the reporter's own link may be at fault")
+        coordinator.set_unreachable(node_id, True)
+        log.warning("node reported unreachable and confirmed", extra={"node": node_id, "reporter": body.reporter, "address": m.address})
+        return UnreachableAnswer(node_id=node_id, unreachable=True, detail=f"{m.address} does not answer; out of the ring until it does")
+
+    @app.get("/v1/nodes/view", response_class=Response, responses={200: {"model": RingView}, **_errors(422)})
+    async def nodes_view(node_id: Annotated[str | None, Query(max_length=_NAME_LEN)] = None) -> Response:
         """The ring view, as answered to heartbeats (with ``node_id``: that node's successor)."""
         return Response(coordinator.view_bytes(node_id), media_type="application/json")
 
@@ -273,25 +573,35 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     async def nodes() -> dict[str, Any]:
         return {
             "ring": coordinator.ring(),
-            "members": {n: {"address": m.address, "alive": m.alive} for n, m in coordinator.members.items()},
+            "members": {n: {"address": m.address, "alive": m.alive, "unreachable": m.unreachable} for n, m in coordinator.members.items()},
             "udp_port": coordinator.udp_port,
             "stats": coordinator.stats,
         }
 
-    @app.get("/v1/nodes/{node_id}")
-    async def node(node_id: str) -> dict[str, Any]:
+    @app.get("/v1/nodes/{node_id}", responses=_errors(404, 422))
+    async def node(node_id: NodeId) -> dict[str, Any]:
         m = coordinator.members.get(node_id)
         if m is None:
-            raise HTTPException(404, f"unknown node {node_id!r}; it has never sent a heartbeat")
+            raise HTTPException(404, f"unknown node {node_id!r}; it has never sent a heartbeat (or was dead long enough to be forgotten)")
         return {"node_id": node_id, "address": m.address, "alive": m.alive, "silent_s": round(time.monotonic() - m.last_seen, 3), "http_beats": m.http_beats, "udp_beats": m.udp_beats}
 
-    @app.get("/v1/jobs/{name}/status")
-    async def job_status(name: str) -> dict[str, Any]:
-        """Members, ring, dead nodes, restorable step and per-role shard locations of a job."""
-        return coordinator.status(name)
+    @app.get("/v1/jobs/{name}/status", responses=_errors(422))
+    async def job_status(name: PathName) -> dict[str, Any]:
+        """Members, ring, dead nodes, restorable step and per-role shard locations of a job, and
+        the newest step any daemon ever reported committed (``committed_step``, kept across
+        restarts of this server): a restore that finds nothing although it is set must fail."""
+        status = coordinator.status(name)
+        job = jobs.find(name)
+        if job is not None:
+            jobs.note_committed(job, coordinator.newest_step(name))
+            status["committed_step"] = job.committed_step
+        else:
+            status["committed_step"] = coordinator.newest_step(name)
+        return status
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}})
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(BodyGuard, auth=auth, max_body_bytes=config.max_body_bytes)
     return app

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import abc
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 SAMPLE_INDEX_COLUMN = "_sample_index"
+# Dataset (folder) names the server serves: no path separators, no leading dot, and short enough
+# to be a file name everywhere (a 256-character name made the file system answer ENAMETOOLONG).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+_NAME = re.compile(NAME_PATTERN)
 
 
 class DatasetError(Exception):
@@ -42,7 +47,7 @@ class Dataset(abc.ABC):
             "columns": {f.name: str(f.type) for f in self.schema},
         }
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release file handles and mappings."""
 
 
@@ -71,11 +76,36 @@ class Catalog:
         if not self.root.is_dir():
             raise DatasetError(f"dataset directory {self.root} does not exist")
         self._open: dict[str, Dataset] = {}
+        self._sample_bytes: dict[str, int] = {}
 
     def names(self) -> list[str]:
         return sorted(
             d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(".")
         )
+
+    def known_sample_bytes(self, name: str) -> int | None:
+        """``sample_bytes(name)`` if measured already (never blocks), else None."""
+        return self._sample_bytes.get(name)
+
+    def sample_bytes(self, name: str) -> int:
+        """An estimate of one served sample's bytes in ``name``: the dataset's files over its
+        samples, plus the ``_sample_index`` column. Served batches are uncompressed Arrow, as the
+        files are, so this sizes a step's body without encoding it (an average: a step of
+        variable-length samples may come out larger)."""
+        found = self._sample_bytes.get(name)
+        if found is None:
+            ds = self.get(name)
+            total = 0
+            for dirpath, _dirs, files in os.walk(self.root / name):
+                for f in files:
+                    try:
+                        st = os.stat(os.path.join(dirpath, f))
+                    except OSError:
+                        continue
+                    total += min(st.st_size, st.st_blocks * 512)  # an LMDB file may be sparse
+            found = -(-total // max(1, ds.num_samples)) + 8
+            self._sample_bytes[name] = found
+        return found
 
     def opened(self, name: str) -> Dataset | None:
         """``name`` if it is open already (never blocks), else None."""
@@ -84,8 +114,8 @@ class Catalog:
     def get(self, name: str) -> Dataset:
         ds = self._open.get(name)
         if ds is None:
-            if "/" in name or name.startswith(".") or not (self.root / name).is_dir():
-                raise KeyError(f"unknown dataset {name!r}; known: {self.names()}")
+            if not _NAME.match(name) or not (self.root / name).is_dir():
+                raise KeyError(f"unknown dataset {name[:140]!r}; known: {self.names()}")
             ds = open_dataset(self.root / name, name)
             self._open[name] = ds
         return ds

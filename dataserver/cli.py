@@ -30,7 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--token-file", default=None, help="job bearer token (else $FFPLANE_TOKEN_FILE or $FFPLANE_TOKEN)")
     srv.add_argument("--ready-file", default=None, help="write {host,port,pid} JSON here once listening")
     srv.add_argument("--max-steps-per-request", type=int, default=d.max_steps_per_request)
+    srv.add_argument("--max-bytes-per-request", type=int, default=d.max_bytes_per_request, help="batch bytes (estimated from the dataset's size) one request may ask for; 413 above")
+    srv.add_argument("--max-samples-per-step", type=int, default=d.max_samples_per_step, help="largest dp x batch_per_rank a job or generation may have")
+    srv.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (job, heartbeat); 413 above, before it is read")
     srv.add_argument("--dead-after-s", type=float, default=d.dead_after_s, help="declare a node dead after this much silence")
+    srv.add_argument("--forget-dead-after-s", type=float, default=d.forget_dead_after_s, help="forget a dead node (and its shard inventory) after this long")
     srv.add_argument("--heartbeat-udp-port", type=int, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")
     srv.add_argument("--log-level", default=d.log_level)
     return p
@@ -57,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {manifest['num_samples']} samples in {len(manifest['shards'])} shards to {args.out}")
         return 0
 
-    from dataserver.app import create_app
-    from dataserver.httpserver import die_with_parent_if_asked, load_token, serve, setup_logging
+    from dataserver.app import MAX_COUNT, create_app
+    from dataserver.httpserver import (
+        die_with_parent_if_asked,
+        load_token,
+        serve,
+        setup_logging,
+    )
 
     die_with_parent_if_asked()
     cfg_s = ServeConfig(
@@ -69,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         token_file=args.token_file,
         ready_file=args.ready_file,
         max_steps_per_request=args.max_steps_per_request,
+        max_bytes_per_request=args.max_bytes_per_request,
+        max_samples_per_step=args.max_samples_per_step,
+        max_body_bytes=args.max_body_bytes,
         dead_after_s=args.dead_after_s,
+        forget_dead_after_s=args.forget_dead_after_s,
         heartbeat_udp_port=args.heartbeat_udp_port,
         log_level=args.log_level,
     )
@@ -78,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     if token is None:
         print("dataserver serve: error: no job token; set FFPLANE_TOKEN or pass --token-file", file=sys.stderr)
         return 2
+    for flag, value, top in (
+        ("--max-steps-per-request", cfg_s.max_steps_per_request, MAX_COUNT),
+        ("--max-bytes-per-request", cfg_s.max_bytes_per_request, 1 << 40),
+        ("--max-samples-per-step", cfg_s.max_samples_per_step, 1 << 40),
+        ("--max-body-bytes", cfg_s.max_body_bytes, 1 << 30),
+    ):
+        if not 1 <= value <= top:
+            print(f"dataserver serve: error: {flag} must be in [1, {top}], got {value}", file=sys.stderr)
+            return 2
     if not cfg_s.data_dir.is_dir():
         print(f"dataserver serve: error: --data-dir {cfg_s.data_dir} is not a directory", file=sys.stderr)
         return 2

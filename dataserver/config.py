@@ -15,8 +15,11 @@ class ServeConfig:
     token_file: str | None = None  # else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN
     ready_file: str | None = None  # JSON {"host","port","pid"} written once listening
     max_steps_per_request: int = 256
-    max_body_bytes: int = 16 << 20  # JSON bodies (jobs, heartbeats with inventories)
+    max_bytes_per_request: int = 256 << 20  # estimated batch bytes one request may ask for (so one step too)
+    max_samples_per_step: int = 1 << 24  # dp x batch_per_rank of any job or generation
+    max_body_bytes: int = 16 << 20  # JSON bodies (jobs, heartbeats with inventories); checked before reading
     dead_after_s: float = 1.5  # a node silent this long is declared dead
+    forget_dead_after_s: float = 600.0  # a dead node is forgotten (with its inventory) after this long
     sweep_s: float = 0.2  # how often silence is checked
     heartbeat_udp_port: int = 0  # UDP heartbeats (daemons learn it from their HTTP heartbeat); 0 any free port, -1 off
     log_level: str = "info"

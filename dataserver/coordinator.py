@@ -19,6 +19,12 @@ Two transports feed it (decisions.md, "Heartbeats: UDP liveness, HTTP registrati
 
 A datagram cannot create membership: from a node the coordinator does not know (or knows as dead,
 or under another daemon session) it is answered "unknown, send a full heartbeat".
+
+The address a node registers is what its peers will connect to, so the coordinator refuses one
+that cannot be: an unspecified host (0.0.0.0, ::), a loopback host from a node that is not on
+this host, and the address of another live member (two daemons started without
+``--advertise-address`` on two hosts both say http://127.0.0.1:8471). A member dead for
+``forget_after_s`` is forgotten, its inventory with it.
 """
 
 from __future__ import annotations
@@ -26,14 +32,17 @@ from __future__ import annotations
 import asyncio
 import bisect
 import hmac
+import ipaddress
 import json
 import logging
 import os
+import socket
 import struct
 import time
 import zlib
 from collections import OrderedDict
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +106,72 @@ def _decode_inventory(raw: bytes) -> tuple[dict[str, dict[str, list[dict[str, An
     return inventory, workers
 
 
+class AddressError(ValueError):
+    """A registered address peers could not use; the message says what to do."""
+
+
+class MembershipConflict(ValueError):
+    """A registration clashes with another member (its address) or the membership limit."""
+
+
+_ADVERTISE = "start the daemon with --advertise-address set to an address its peers can reach"
+
+
+def _host_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as an IP address (IPv4 short forms like ``127.1`` and ``0`` included), else None."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            ip = ipaddress.IPv4Address(socket.inet_aton(host))
+        except (OSError, ValueError):
+            return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def _is_loopback(host: str) -> bool:
+    ip = _host_ip(host)
+    if ip is not None:
+        return ip.is_loopback
+    host = host.lower().rstrip(".")
+    return host in ("localhost", "ip6-localhost", "ip6-loopback") or host.endswith(".localhost")
+
+
+def address_key(address: str, client_host: str | None = None) -> tuple[str, int]:
+    """The ``(host, port)`` peers would connect to at ``address``, or AddressError if they
+    could not: not an http(s) URL with a host, an unspecified host, or a loopback host
+    registered by a client that is not itself on loopback (it would name the peer's own host)."""
+    try:
+        url = urlsplit(address)
+        host, port = url.hostname, url.port
+    except ValueError as exc:
+        raise AddressError(f"address {address!r} is not a URL ({exc}); expected http://HOST:PORT") from exc
+    if url.scheme not in ("http", "https") or not host:
+        raise AddressError(f"address {address!r} is not an http(s)://HOST:PORT URL; {_ADVERTISE}")
+    ip = _host_ip(host)
+    if ip is not None and ip.is_unspecified:
+        raise AddressError(f"address {address!r} names no host (an unspecified address: the bind-all one?); {_ADVERTISE}")
+    if client_host is not None and _is_loopback(host) and not _is_loopback(client_host):
+        raise AddressError(
+            f"address {address!r} is a loopback address but the node registers from {client_host}: "
+            f"its peers would reach themselves; {_ADVERTISE}"
+        )
+    return (str(ip) if ip is not None else host.lower().rstrip(".")), port or (443 if url.scheme == "https" else 80)
+
+
 class Member:
-    __slots__ = ("node_id", "address", "budget_bytes", "last_seen", "alive", "dead_since", "session", "counter", "inv_version", "http_beats", "udp_beats", "_inventory", "_workers", "_raw")
+    __slots__ = ("_inventory", "_raw", "_workers", "address", "address_key", "alive", "budget_bytes", "counter", "dead_since", "http_beats", "inv_version", "last_seen", "node_id", "session", "udp_beats", "unreachable")
 
     def __init__(self, node_id: str, address: str, budget_bytes: int, last_seen: float) -> None:
         self.node_id = node_id
         self.address = address  # the daemon's ops/peer base URL
+        self.address_key = address_key(address)  # (host, port), for the one-member-per-address rule
         self.budget_bytes = budget_bytes
         self.last_seen = last_seen
         self.alive = True
+        self.unreachable = False  # beating, but its peer port does not answer: out of the ring until it does
         self.dead_since: float | None = None
         self.session: bytes | None = None  # the daemon process's UDP session, registered over HTTP
         self.counter = 0  # highest message counter seen in that session (replays are dropped)
@@ -143,11 +209,15 @@ class Member:
 
 
 class Coordinator:
-    def __init__(self, dead_after_s: float = 1.5, token: str | None = None) -> None:
+    def __init__(self, dead_after_s: float = 1.5, token: str | None = None, forget_after_s: float = 600.0, max_members: int = 1 << 16) -> None:
         self.dead_after_s = dead_after_s
+        self.forget_after_s = forget_after_s  # a dead member is forgotten after this long
+        self.max_members = max_members  # alive and not yet forgotten
         self.key = token.encode() if token else None
         self.members: dict[str, Member] = {}
         self._by_seen: OrderedDict[str, Member] = OrderedDict()  # alive members, least recently seen first
+        self._dead_since: OrderedDict[str, float] = OrderedDict()  # dead members, longest dead first
+        self._by_address: dict[tuple[str, int], str] = {}  # alive members' (host, port) → node id
         self.worker_exits: list[dict[str, Any]] = []
         self.udp_port: int | None = None  # set once the UDP listener is bound
         self.stats = {"udp_beats": 0, "udp_inventories": 0, "udp_rejected": 0, "udp_unknown": 0, "udp_replayed": 0, "http_beats": 0}
@@ -188,19 +258,41 @@ class Coordinator:
         workers: list[dict[str, Any]],
         exited: list[dict[str, Any]],
         udp: dict[str, Any] | None = None,
+        client_host: str | None = None,
     ) -> None:
         """Record a node's full heartbeat (its first one registers it). ``udp`` registers the
-        daemon's UDP session: ``{"session": 16 hex digits, "counter": n, "inv_version": v}``."""
+        daemon's UDP session: ``{"session": 16 hex digits, "counter": n, "inv_version": v}``.
+        ``client_host`` is where the request came from. Raises AddressError or
+        MembershipConflict, having changed nothing, when the registration cannot be taken."""
         now = time.monotonic()
         m = self.members.get(node_id)
+        key = address_key(address, client_host)
+        owner = self._by_address.get(key)
+        if owner is not None and owner != node_id:
+            raise MembershipConflict(
+                f"address {address!r} is the address of live node {owner!r}; two nodes cannot share one "
+                f"(is this node's daemon started without --advertise-address?)"
+            )
+        if m is None and len(self.members) >= self.max_members:
+            raise MembershipConflict(
+                f"the coordinator holds {len(self.members)} members (alive or dead for under {self.forget_after_s:g} s), its limit"
+            )
         if m is None or not m.alive:
             log.info("node joined" if m is None else "node back", extra={"node": node_id, "address": address})
+            self._dead_since.pop(node_id, None)
             m = Member(node_id, address, budget_bytes, now)
             self.members[node_id] = m
             bisect.insort(self._ring, node_id)
+            self._by_address[key] = node_id
             self._changed(["+", node_id, address])
         elif m.address != address:
-            m.address = address
+            if self._by_address.get(m.address_key) == node_id:
+                del self._by_address[m.address_key]
+            self._by_address[key] = node_id
+            m.address, m.address_key = address, key
+            if m.unreachable:  # a restarted daemon, at a new port: try it again
+                m.unreachable = False
+                bisect.insort(self._ring, node_id)
             self._changed(["+", node_id, address])
         m.budget_bytes = budget_bytes
         self._seen(m, now)
@@ -212,8 +304,8 @@ class Coordinator:
             m.counter = max(m.counter, int(udp["counter"])) if m.session == session else int(udp["counter"])
             m.session, m.inv_version = session, int(udp["inv_version"])
         for w in exited:
-            log.warning("worker exited", extra={"node": node_id, **w})
-            self.worker_exits.append({"node": node_id, "at": time.time(), **w})
+            log.warning("worker exited", extra={"worker": w, "node": node_id})
+            self.worker_exits.append({**w, "node": node_id, "at": time.time()})
         del self.worker_exits[:-256]
 
     def beat(self, node_id: str, session: bytes, counter: int, kind: int, inv_version: int, payload: bytes, epoch: int, view_version: int) -> bytes | None:
@@ -264,12 +356,48 @@ class Coordinator:
             if m.last_seen >= limit:
                 break
             self._by_seen.popitem(last=False)
-            del self._ring[bisect.bisect_left(self._ring, m.node_id)]
-            m.alive, m.dead_since = False, now
+            if not m.unreachable:  # an unreachable member is out of the ring already
+                del self._ring[bisect.bisect_left(self._ring, m.node_id)]
+            m.alive, m.dead_since, m.unreachable = False, now, False
+            if self._by_address.get(m.address_key) == m.node_id:
+                del self._by_address[m.address_key]
+            self._dead_since[m.node_id] = now
             newly.append(m.node_id)
             self._changed(["-", m.node_id])
             log.warning("node declared dead", extra={"node": m.node_id, "silent_s": round(now - m.last_seen, 3)})
+        forget = now - self.forget_after_s
+        while self._dead_since:
+            node_id, since = next(iter(self._dead_since.items()))
+            if since >= forget:
+                break
+            self._dead_since.popitem(last=False)
+            gone = self.members.get(node_id)
+            if gone is not None and not gone.alive:
+                del self.members[node_id]
+                self._view_head = None  # the whole view's dead list drops it (no event: it was dead)
+                log.info("dead node forgotten", extra={"node": node_id, "dead_s": round(now - since, 3)})
         return newly
+
+    def set_unreachable(self, node_id: str, unreachable: bool) -> bool:
+        """Take a live member that beats but whose peer port does not answer out of the ring (its
+        predecessor then replicates past it), or put it back; whether anything changed."""
+        m = self.members.get(node_id)
+        if m is None or not m.alive or m.unreachable == unreachable:
+            return False
+        m.unreachable = unreachable
+        if unreachable:
+            del self._ring[bisect.bisect_left(self._ring, node_id)]
+            self._changed(["-", node_id])
+            log.warning("node unreachable: out of the ring until it answers", extra={"node": node_id, "address": m.address})
+        else:
+            bisect.insort(self._ring, node_id)
+            self._changed(["+", node_id, m.address])
+            log.info("node reachable again: back in the ring", extra={"node": node_id, "address": m.address})
+        return True
+
+    def unreachable(self) -> dict[str, str]:
+        """Unreachable members and their addresses (to probe again)."""
+        return {n: m.address for n, m in self.members.items() if m.alive and m.unreachable}
 
     # ---- the ring view ----
 
@@ -315,6 +443,17 @@ class Coordinator:
         tail = {"successor": succ, "successor_address": self.members[succ].address if succ else None, "udp_port": self.udp_port}
         return self._view_head + b"," + json.dumps(tail, separators=(",", ":")).encode()[1:]
 
+    def newest_step(self, job: str) -> int | None:
+        """The newest step of ``job`` any member (alive or dead) has reported a committed shard of."""
+        newest: int | None = None
+        for m in self.members.values():
+            for versions in m.inventory.get(job, {}).values():
+                for v in versions:
+                    step = v.get("step") if isinstance(v, dict) else None
+                    if type(step) is int and (newest is None or step > newest):
+                        newest = step
+        return newest
+
     def status(self, job: str) -> dict[str, Any]:
         """Members, ring, dead nodes, where each role's shards are, and the restorable step."""
         locations: dict[str, dict[int, list[str]]] = {}
@@ -327,7 +466,7 @@ class Coordinator:
                     except (KeyError, TypeError, ValueError):
                         log.warning("malformed inventory entry ignored", extra={"node": m.node_id, "job": job, "role": role})
                         continue
-                    if m.alive:
+                    if m.alive and not m.unreachable:  # nobody can pull from an unreachable node
                         locations.setdefault(role, {}).setdefault(step, []).append(m.node_id)
                     expected |= set(peers)
         restorable = None
@@ -337,7 +476,7 @@ class Coordinator:
         return {
             "job": job,
             "members": {
-                n: {"address": m.address, "alive": m.alive, "budget_bytes": m.budget_bytes, "workers": m.workers, "silent_s": round(time.monotonic() - m.last_seen, 3)}
+                n: {"address": m.address, "alive": m.alive and not m.unreachable, "unreachable": m.unreachable, "budget_bytes": m.budget_bytes, "workers": m.workers, "silent_s": round(time.monotonic() - m.last_seen, 3)}
                 for n, m in sorted(self.members.items())
             },
             "ring": self.ring(),

@@ -11,16 +11,18 @@ import ctypes
 import json
 import logging
 import os
-import signal
 import secrets
+import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import HTTPException, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 TOKEN_ENV = "FFPLANE_TOKEN"
 DIE_WITH_PARENT_ENV = "FFPLANE_DIE_WITH_PARENT"
@@ -81,23 +83,99 @@ def load_token(token_file: str | None = None) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+_NO_TOKEN = "this server has no token configured; set FFPLANE_TOKEN"
+_BAD_TOKEN = "missing or wrong bearer token: send 'Authorization: Bearer <job token>'"
+
+
 class BearerAuth:
     """FastAPI dependency: 401 unless ``Authorization: Bearer <token>`` matches."""
 
     def __init__(self, token: str | None) -> None:
         self.token = token
 
-    async def __call__(self, request: Request) -> None:  # async: no thread-pool hop per request
+    def refusal(self, header: str) -> tuple[int, str] | None:
+        """``(status, detail)`` if an ``Authorization`` header of ``header`` is refused, else None."""
         if self.token is None:
-            raise HTTPException(503, "this server has no token configured; set FFPLANE_TOKEN")
-        header = request.headers.get("authorization", "")
+            return 503, _NO_TOKEN
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip(), self.token):
-            raise HTTPException(
-                401,
-                "missing or wrong bearer token: send 'Authorization: Bearer <job token>'",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), self.token.encode()):
+            return 401, _BAD_TOKEN
+        return None
+
+    async def __call__(self, request: Request) -> None:  # async: no thread-pool hop per request
+        refused = self.refusal(request.headers.get("authorization", ""))
+        if refused is not None:
+            status, detail = refused
+            raise HTTPException(status, detail, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+async def _reply(send: Send, status: int, detail: str, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close"), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyGuard:
+    """Pure ASGI middleware: a request that may carry a body (POST, PUT, PATCH, DELETE) is judged
+    on its token and its declared size before anything reads it, and its body is read here,
+    counted as it arrives (a chunked one too), and refused with 413 the moment it passes
+    ``max_body_bytes``. FastAPI reads and parses a body before any dependency runs, so a
+    dependency cannot do this: 300 MiB without a token were read into memory, and a chunked
+    body declared no size to check. Every route that takes a body needs the token, so one
+    without it is refused whatever its path. Refusals close the connection rather than read
+    what the client still sends."""
+
+    def __init__(self, app: ASGIApp, auth: BearerAuth, max_body_bytes: int) -> None:
+        self.app, self.auth, self.max_body_bytes = app, auth, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        authorization, length = "", None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"content-length":
+                length = value
+        refused = self.auth.refusal(authorization)
+        if refused is not None:
+            status, detail = refused
+            await _reply(send, status, detail, [(b"www-authenticate", b"Bearer")] if status == 401 else [])
+            return
+        limit = self.max_body_bytes
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await _reply(send, 413, f"request body of {length.decode('latin-1')} bytes exceeds the limit of {limit} bytes")
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _reply(send, 413, f"request body exceeds the limit of {limit} bytes (refused after {size} bytes had arrived)")
+                return
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -4,7 +4,9 @@ The served form is a directory with Arrow IPC *file* shards (memory-mappable, ra
 ``manifest.json`` (format, row count, each shard's rows, bytes and CRC-32). Lists of integers
 whose length is the same in every row (token ids) become ``fixed_size_list`` columns so that
 readers get them zero-copy as a 2-D tensor. Nothing is written to ``--out`` unless every record
-of every source is valid: the dataset is built in a sibling folder and renamed into place.
+of every source is valid and there is at least one sample: the dataset is built in a sibling
+folder and renamed into place. Every refusal is an :class:`IngestError` whose one-line message
+names the file and the line (JSONL) or row (Parquet/Arrow) and says what to fix.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import gzip
 import json
 import os
 import shutil
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +27,17 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from dataserver._arrow_dataset import FORMAT, MANIFEST_NAME, file_crc32
+from dataserver.catalog import SAMPLE_INDEX_COLUMN
 
 _ROWS_PER_BATCH = 4096
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class IngestError(Exception):
     """A source record is malformed; the message names the file and the line or row."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.splitlines()))  # one line, whatever Arrow says
 
 
 @dataclass
@@ -55,6 +63,20 @@ def _source_kind(path: Path) -> str:
     )
 
 
+def _check_columns(names: list[str], where: str) -> None:
+    """Refuse a source whose records have no fields, or a field the server adds itself."""
+    if not names:
+        raise IngestError(
+            f"{where}: the record has no fields; a dataset needs at least one column "
+            "(fix or drop the empty records)"
+        )
+    if SAMPLE_INDEX_COLUMN in names:
+        raise IngestError(
+            f"{where}: field {SAMPLE_INDEX_COLUMN!r} is reserved (the server adds it to every "
+            "batch as the sample's dataset row); rename or drop that field in the source"
+        )
+
+
 class _Normaliser:
     """Makes every batch match the first one's schema, fixing list widths to fixed-size lists."""
 
@@ -64,6 +86,7 @@ class _Normaliser:
 
     def __call__(self, batch: pa.RecordBatch, where: str, first_row: int, from_json: bool) -> pa.RecordBatch:
         if self.schema is None:
+            _check_columns(batch.schema.names, f"{where}: row {first_row}")
             self.schema = self._decide_schema(batch, from_json)
         if set(batch.schema.names) != set(self.schema.names):
             raise IngestError(
@@ -115,18 +138,48 @@ class _Normaliser:
 
 
 
+def _read_lines(path: Path, stream: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """``(line number, line)``; a gzip stream that is not gzip, corrupt or cut short, or a read
+    that fails, becomes an IngestError naming the line where reading stopped."""
+    lineno = 0
+    lines = iter(stream)
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration:
+            return
+        except gzip.BadGzipFile as exc:
+            what = "is not gzip data" if lineno == 0 else "is corrupt gzip data"
+            raise IngestError(
+                f"{path}:{lineno + 1}: the file {what} ({exc}); recompress it, or drop the .gz "
+                "suffix if it is plain JSONL"
+            ) from exc
+        except (EOFError, zlib.error) as exc:
+            raise IngestError(
+                f"{path}:{lineno + 1}: the gzip data is truncated or corrupt ({exc}); "
+                "re-create or re-download the file"
+            ) from exc
+        except OSError as exc:
+            raise IngestError(f"{path}:{lineno + 1}: read failed: {exc}") from exc
+        lineno += 1
+        yield lineno, line
+
+
 def _jsonl_batches(
     path: Path, cfg: IngestConfig, bar: tqdm
 ) -> Iterator[tuple[pa.RecordBatch, str, int]]:
-    raw = open(path, "rb")
+    try:
+        raw = open(path, "rb")  # noqa: SIM115 - closed by the ``with`` below
+    except OSError as exc:
+        raise IngestError(f"{path}: cannot open: {exc}") from exc
     stream: IO[bytes] = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw  # type: ignore[assignment]
     rows: list[dict[str, Any]] = []
+    linenos: list[int] = []  # source line of each row in ``rows``
     keys: list[str] | None = None
-    first_line = 1
     first_row = 0  # 0-based record number of the block's first row
     last_pos = 0
     with raw, stream:
-        for lineno, line in enumerate(stream, start=1):
+        for lineno, line in _read_lines(path, stream):
             if not line.strip():
                 continue
             try:
@@ -137,6 +190,7 @@ def _jsonl_batches(
                 raise IngestError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             if keys is None:
                 keys = sorted(rec)
+                _check_columns(keys, f"{path}:{lineno}")
             elif sorted(rec) != keys:
                 raise IngestError(f"{path}:{lineno}: fields {sorted(rec)} differ from the first record's {keys}")
             for name in cfg.binary_fields:
@@ -144,32 +198,61 @@ def _jsonl_batches(
                     rec[name] = base64.b64decode(rec[name], validate=True)
                 except (KeyError, TypeError, ValueError) as exc:
                     raise IngestError(f"{path}:{lineno}: field {name!r} is not base64: {exc}") from exc
-            if not rows:
-                first_line = lineno
             rows.append(rec)
+            linenos.append(lineno)
             if len(rows) == _ROWS_PER_BATCH:
-                yield _rows_to_batch(rows, path, first_line), str(path), first_row
+                yield _rows_to_batch(rows, path, linenos), str(path), first_row
                 first_row += len(rows)
-                rows = []
+                rows, linenos = [], []
                 pos = raw.tell()
                 bar.update(pos - last_pos)
                 last_pos = pos
     if rows:
-        yield _rows_to_batch(rows, path, first_line), str(path), first_row
+        yield _rows_to_batch(rows, path, linenos), str(path), first_row
     bar.update(path.stat().st_size - last_pos)
 
 
-def _rows_to_batch(rows: list[dict[str, Any]], path: Path, first_line: int) -> pa.RecordBatch:
+def _rows_to_batch(rows: list[dict[str, Any]], path: Path, linenos: list[int]) -> pa.RecordBatch:
     try:
         return pa.RecordBatch.from_pylist(rows)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        # Find the offending line so the user can fix it without bisecting the file.
-        for i in range(len(rows)):
-            try:
-                pa.RecordBatch.from_pylist(rows[: i + 1])
-            except (pa.ArrowInvalid, pa.ArrowTypeError):
-                raise IngestError(f"{path}: record {i + 1} of the block starting at line {first_line}: {exc}") from exc
-        raise IngestError(f"{path}: lines {first_line}..: {exc}") from exc
+    except (pa.ArrowException, OverflowError) as exc:
+        error: Exception = exc
+    # Name the offending line so the user can fix it without bisecting the file: the first
+    # prefix of the block that does not convert ends with it (a prefix that fails keeps failing).
+    lo, hi = 0, len(rows) - 1  # rows[: hi + 1] fails
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            pa.RecordBatch.from_pylist(rows[: mid + 1])
+            lo = mid + 1
+        except (pa.ArrowException, OverflowError) as exc:
+            hi, error = mid, exc
+    where = f"{path}:{linenos[hi]}"
+    big = _first_big_int(rows[hi]) if isinstance(error, OverflowError) else None
+    if big is not None:
+        digits = str(big[1])
+        shown = digits if len(digits) <= 40 else f"{digits[:12]}... ({len(digits)} digits)"
+        raise IngestError(
+            f"{where}: field {big[0]!r} holds the integer {shown}, outside the 64-bit range "
+            f"[-2^63, 2^63-1]; store it as a string (or a float) in the source"
+        ) from error
+    raise IngestError(f"{where}: {error}") from error
+
+
+def _first_big_int(value: Any, name: str = "") -> tuple[str, int] | None:
+    """The first ``(field, integer)`` of a record that does not fit in int64, if any."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if _INT64_MIN <= value <= _INT64_MAX else (name, value)
+    if isinstance(value, dict):
+        items: Iterator[tuple[str, Any]] = ((f"{name}.{k}" if name else k, v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{name}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for item_name, item in items:
+        if (found := _first_big_int(item, item_name)) is not None:
+            return found
+    return None
 
 
 def _columnar_batches(
@@ -243,7 +326,9 @@ def ingest(cfg: IngestConfig) -> dict[str, Any]:
         _source_kind(src)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
+    created = [d for d in [out.parent, *out.parent.parents] if not d.exists()]  # removed on refusal
     staging.mkdir(parents=True)
+    done = False
     try:
         normalise = _Normaliser(cfg)
         writer = _ShardWriter(staging, cfg.shard_bytes)
@@ -255,11 +340,15 @@ def ingest(cfg: IngestConfig) -> dict[str, Any]:
                 for batch, where, first_row in gen:
                     writer.write(normalise(batch, where, first_row, kind == "jsonl"))
         writer.close_shard()
-        if normalise.schema is None:
-            raise IngestError(f"no records in {[str(s) for s in cfg.sources]}")
+        num_samples = sum(s["num_rows"] for s in writer.shards)
+        if normalise.schema is None or num_samples == 0:
+            raise IngestError(
+                f"{', '.join(str(s) for s in cfg.sources)}: no records (0 samples); "
+                "a dataset needs at least one: check that these are the right source files"
+            )
         manifest = {
             "format": FORMAT,
-            "num_samples": sum(s["num_rows"] for s in writer.shards),
+            "num_samples": num_samples,
             "columns": {f.name: str(f.type) for f in normalise.schema},
             "shards": writer.shards,
             "sources": [str(s) for s in cfg.sources],
@@ -268,6 +357,13 @@ def ingest(cfg: IngestConfig) -> dict[str, Any]:
         if out.exists():
             out.rmdir()
         staging.rename(out)
+        done = True
         return manifest
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if not done:
+            for d in created:  # innermost first; only folders this call made and left empty
+                try:
+                    d.rmdir()
+                except OSError:
+                    break

@@ -1,22 +1,42 @@
 """Jobs: a dataset, a seed and a layout history, persisted so a restarted server plans the same.
 
-A job's record is a small JSON file, replaced atomically on every change; the plan itself is
-never stored because it is a pure function of the record.
+A job's record is a small JSON file, ``<state_dir>/<name>.json``, replaced atomically on every
+change; the plan itself is never stored because it is a pure function of the record. Beside it,
+``<name>.served`` holds the newest step whose batches the server has handed out: it is written
+(atomically, before the bytes leave) each time that step moves forward, so a restarted server
+still refuses a generation that would re-plan batches readers already have. It is a side file
+rather than a field of the record because it changes once per step while the record changes
+once per job or layout change, and the record stays the plan's pure definition. The same file
+keeps the newest step any daemon ever reported committed (``committed_step``): a restore that
+finds no copy of a job that had state then fails loudly instead of starting it from nothing.
+
+A record that cannot be used (torn, hand-edited, naming a dataset that is gone) makes only its
+own job *broken*: it is listed with the reason and refuses plans and batches, and every other job
+is served.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dataserver.catalog import NAME_PATTERN
 from dataserver.planner import Generation, Planner
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(NAME_PATTERN)
+STEP_LIMIT = 1 << 53  # steps and max_steps stay below this (exact in any JSON reader)
+SEED_LIMIT = 1 << 64  # a seed is any unsigned 64-bit integer
+LAYOUT_LIMIT = 1 << 20  # dp and batch_per_rank are at most this; their product is bounded by config
+_SPEC_KEYS = {"name", "dataset", "dp", "batch_per_rank", "seed", "max_steps", "generations"}
 
 
 class JobError(ValueError):
@@ -24,7 +44,17 @@ class JobError(ValueError):
 
 
 class JobConflict(JobError):
-    """A job of that name exists with a different definition."""
+    """The request conflicts with the job as it is (its definition, or steps already used)."""
+
+
+class JobBroken(JobConflict):
+    """The job's record could not be loaded; the message says why and what to do."""
+
+
+def _int(value: object, what: str, lo: int, hi: int) -> int:
+    if type(value) is not int or not lo <= value < hi:
+        raise JobError(f"{what} must be an integer in [{lo}, {hi}), got {value!r}")
+    return value
 
 
 @dataclass
@@ -38,12 +68,24 @@ class JobSpec:
     generations: list[Generation] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
-            raise JobError(f"job name {self.name!r} must match {_NAME.pattern}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise JobError(f"max_steps must be >= 1 or null, got {self.max_steps}")
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise JobError(f"job name {self.name!r} must match {NAME_PATTERN}")
+        if not isinstance(self.dataset, str) or not _NAME.match(self.dataset):
+            raise JobError(f"dataset name {self.dataset!r} must match {NAME_PATTERN}")
+        _int(self.dp, "dp", 1, LAYOUT_LIMIT + 1)
+        _int(self.batch_per_rank, "batch_per_rank", 1, LAYOUT_LIMIT + 1)
+        _int(self.seed, "seed", 0, SEED_LIMIT)
+        if self.max_steps is not None:
+            _int(self.max_steps, "max_steps", 1, STEP_LIMIT + 1)
         if not self.generations:
             self.generations = [Generation(0, self.dp, self.batch_per_rank)]
+        first = self.generations[0]
+        if (first.start_step, first.dp, first.batch_per_rank) != (0, self.dp, self.batch_per_rank):
+            raise JobError("the first generation must start at step 0 with the job's dp and batch_per_rank")
+        for g in self.generations:
+            _int(g.start_step, "generation start_step", 0, STEP_LIMIT)
+            _int(g.dp, "generation dp", 1, LAYOUT_LIMIT + 1)
+            _int(g.batch_per_rank, "generation batch_per_rank", 1, LAYOUT_LIMIT + 1)
 
     def same_definition(self, other: JobSpec) -> bool:
         keys = ("dataset", "dp", "batch_per_rank", "seed", "max_steps")
@@ -53,23 +95,47 @@ class JobSpec:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> JobSpec:
-        gens = [Generation(**g) for g in raw.pop("generations", [])]
-        return cls(**raw, generations=gens)
+    def from_json(cls, raw: object) -> JobSpec:
+        """A record as written by ``to_json``; anything else raises JobError saying what is wrong."""
+        if not isinstance(raw, dict):
+            raise JobError(f"the record is a JSON {type(raw).__name__}, not an object")
+        if set(raw) - _SPEC_KEYS or not {"name", "dataset", "dp", "batch_per_rank"} <= set(raw):
+            raise JobError(f"the record has keys {sorted(raw)}, expected {sorted(_SPEC_KEYS)}")
+        gens_raw = raw.get("generations", [])
+        if not isinstance(gens_raw, list) or not all(isinstance(g, dict) and set(g) == {"start_step", "dp", "batch_per_rank"} for g in gens_raw):
+            raise JobError("the record's generations are not a list of {start_step, dp, batch_per_rank}")
+        try:
+            gens = [Generation(**g) for g in gens_raw]
+        except (TypeError, ValueError) as exc:
+            raise JobError(f"a generation of the record is invalid: {exc}") from exc
+        return cls(**{k: v for k, v in raw.items() if k != "generations"}, generations=gens)
 
 
 class Job:
-    def __init__(self, spec: JobSpec, num_samples: int) -> None:
+    def __init__(self, spec: JobSpec, num_samples: int, served_step: int | None = None, served_unknown: bool = False) -> None:
         self.spec = spec
+        self.num_samples = num_samples
         self.planner = Planner(num_samples, spec.seed, list(spec.generations))
+        self.served_step = served_step  # the newest step whose batches were handed out
+        self.served_unknown = served_unknown  # its side file was unreadable at load
+        self.committed_step: int | None = None  # the newest step a daemon reported committed, as far as we know
 
     def check_step(self, step: int) -> None:
         if step < 0 or (self.spec.max_steps is not None and step >= self.spec.max_steps):
             raise JobError(
-                f"step {step} is outside job {self.spec.name!r}: steps run 0..{self.spec.max_steps}"
+                f"step {step} is outside job {self.spec.name!r}: steps run 0..{self.spec.max_steps - 1}"
                 if self.spec.max_steps is not None
                 else f"step {step} is negative"
             )
+
+
+@dataclass(frozen=True)
+class BrokenJob:
+    """A job whose record could not be loaded: its name (from the file name) and why."""
+
+    name: str
+    reason: str
+    spec: JobSpec | None  # when the record itself was readable (e.g. its dataset is gone)
 
 
 class JobRegistry:
@@ -77,27 +143,80 @@ class JobRegistry:
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
         self._jobs: dict[str, Job] = {}
+        self._broken: dict[str, BrokenJob] = {}
         self._lock = threading.Lock()
 
-    def load(self, num_samples_of: Any) -> list[str]:
-        """Reload persisted jobs; ``num_samples_of(dataset)`` gives each dataset's length."""
+    def load(self, num_samples_of: Callable[[str], int]) -> list[str]:
+        """Reload persisted jobs; ``num_samples_of(dataset)`` gives each dataset's length (and
+        may raise). A record that cannot be used marks only its job broken (logged once)."""
         for path in sorted(self.state_dir.glob("*.json")):
-            spec = JobSpec.from_json(json.loads(path.read_text()))
-            self._jobs[spec.name] = Job(spec, num_samples_of(spec.dataset))
+            name = path.name[: -len(".json")]
+            spec: JobSpec | None = None
+            try:
+                spec = JobSpec.from_json(json.loads(path.read_text()))
+                if spec.name != name:
+                    raise JobError(f"the record names job {spec.name!r}, not {name!r}")
+                served, unknown, committed = self._load_served(name)
+                self._jobs[name] = job = Job(spec, num_samples_of(spec.dataset), served, unknown)
+                job.committed_step = committed
+            except Exception as exc:  # noqa: BLE001 - any failure of one record breaks only that job
+                reason = f"{path}: {type(exc).__name__}: {exc}"
+                if isinstance(exc, KeyError):
+                    reason = f"{path}: {exc.args[0] if exc.args else exc}"
+                if isinstance(exc, UnicodeDecodeError | json.JSONDecodeError):
+                    reason = f"{path}: not a JSON job record (torn or hand-edited?): {exc}"
+                self._broken[name] = BrokenJob(name, reason, spec)
+                log.warning("job record unusable; the job is marked broken and the others are served", extra={"job": name, "reason": reason})
         return sorted(self._jobs)
 
+    def _served_path(self, name: str) -> Path:
+        return self.state_dir / f"{name}.served"
+
+    def _load_served(self, name: str) -> tuple[int | None, bool, int | None]:
+        """(served step, whether the file was unreadable, committed step)."""
+        path = self._served_path(name)
+        try:
+            raw = json.loads(path.read_text())
+            steps = [raw.get("served_step"), raw.get("committed_step")]
+            for step in steps:
+                if step is not None and (type(step) is not int or step < 0):
+                    raise ValueError(f"step {step!r}")
+            if steps[0] is None and "served_step" not in raw:
+                raise KeyError("served_step")
+            return steps[0], False, steps[1]
+        except FileNotFoundError:
+            return None, False, None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("served-step file unreadable: generations of this job need replan_served", extra={"job": name, "path": str(path), "error": str(exc)})
+            return None, True, None
+
+    def find(self, name: str) -> Job | None:
+        """The job, or None if it is unknown or broken."""
+        return self._jobs.get(name)
+
     def get(self, name: str) -> Job:
+        """The job; KeyError if unknown, JobBroken if its record could not be loaded."""
         job = self._jobs.get(name)
         if job is None:
+            broken = self._broken.get(name)
+            if broken is not None:
+                raise JobBroken(
+                    f"job {name!r} is broken: {broken.reason}; fix or remove its record and restart the data server"
+                )
             raise KeyError(f"unknown job {name!r}; create it with POST /v1/jobs")
         return job
 
+    def broken(self, name: str) -> BrokenJob | None:
+        return self._broken.get(name)
+
     def names(self) -> list[str]:
-        return sorted(self._jobs)
+        return sorted({*self._jobs, *self._broken})
 
     def create(self, spec: JobSpec, num_samples: int) -> tuple[Job, bool]:
         """Create ``spec``; re-creating an identical job is a no-op returning ``created=False``."""
         with self._lock:
+            if spec.name in self._broken:
+                self.get(spec.name)  # raises JobBroken
             existing = self._jobs.get(spec.name)
             if existing is not None:
                 if existing.spec.same_definition(spec):
@@ -110,16 +229,69 @@ class JobRegistry:
             self._jobs[spec.name] = job
             return job, True
 
-    def add_generation(self, name: str, gen: Generation) -> Job:
+    def add_generation(self, name: str, gen: Generation, committed_step: int | None = None, replan_served: bool = False) -> Job:
+        """Append ``gen`` to job ``name``; refused (nothing written) unless it starts after every
+        step already committed (``committed_step``, from the daemons' inventories) and, unless
+        ``replan_served``, after every step whose batches were handed out."""
         with self._lock:
             job = self.get(name)
-            job.planner.add_generation(gen)  # validates before anything is written
-            job.spec.generations.append(gen)
-            self._persist(job.spec)
+            spec = job.spec
+            start = gen.start_step
+            if spec.max_steps is not None and start >= spec.max_steps:
+                raise JobError(
+                    f"start_step {start} is at or past job {name!r}'s max_steps {spec.max_steps}; "
+                    f"a generation must start at a step below it"
+                )
+            last = spec.generations[-1]
+            if start <= last.start_step:
+                raise JobConflict(
+                    f"a new generation must start after step {last.start_step} "
+                    f"(the current generation's start), got start_step={start}"
+                )
+            if committed_step is not None and start <= committed_step:
+                raise JobConflict(
+                    f"step {committed_step} of job {name!r} is committed (a node holds state saved after it): "
+                    f"a generation must start at step {committed_step + 1} or later"
+                )
+            if not replan_served:
+                if job.served_unknown:
+                    raise JobConflict(
+                        f"the newest step served for job {name!r} is unknown (its .served file was unreadable at start): "
+                        f"send replan_served=true if no reader trained on batches from step {start} on"
+                    )
+                if job.served_step is not None and start <= job.served_step:
+                    raise JobConflict(
+                        f"batches of job {name!r} up to step {job.served_step} have been served: a generation must "
+                        f"start at step {job.served_step + 1} or later, or send replan_served=true if the batches from "
+                        f"step {start} on were only prefetched by node caches and no worker trained on them"
+                    )
+            try:
+                planner = Planner(job.num_samples, spec.seed, [*spec.generations, gen])
+            except ValueError as exc:
+                raise JobError(str(exc)) from exc
+            new_spec = replace(spec, generations=[*spec.generations, gen])
+            self._persist(new_spec)
+            job.spec, job.planner = new_spec, planner
             return job
 
+    def note_served(self, job: Job, last_step: int) -> None:
+        """Record, before they are sent, that batches up to ``last_step`` of ``job`` are served."""
+        if job.served_step is not None and last_step <= job.served_step:
+            return
+        self._write(self._served_path(job.spec.name), {"served_step": last_step, "committed_step": job.committed_step})
+        job.served_step = last_step
+
+    def note_committed(self, job: Job, step: int | None) -> None:
+        """Record that a daemon reported ``step`` of ``job`` committed (kept if it moved forward)."""
+        if step is None or (job.committed_step is not None and step <= job.committed_step):
+            return
+        job.committed_step = step
+        self._write(self._served_path(job.spec.name), {"served_step": job.served_step, "committed_step": step})
+
     def _persist(self, spec: JobSpec) -> None:
-        path = self.state_dir / f"{spec.name}.json"
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(spec.to_json()))
+        self._write(self.state_dir / f"{spec.name}.json", spec.to_json())
+
+    def _write(self, path: Path, value: dict[str, Any]) -> None:
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(value))
         os.replace(tmp, path)

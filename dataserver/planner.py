@@ -13,15 +13,18 @@ boundary; its epoch is the epoch of its first sample.
 from __future__ import annotations
 
 import bisect
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dataserver._permutation import FeistelPermutation, derive_key
 
-
 _BLOCK = 1 << 15  # positions permuted per call (256 KiB of indices)
 _BLOCKS_KEPT = 8  # per planner: 2 MiB at most
+# Stream positions are int64 in the plan's arithmetic; steps whose samples would lie at or past
+# this position are out of range (a step number far beyond any run, or a huge global batch).
+MAX_POSITION = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class Planner:
     _start_pos: list[int] = field(init=False, repr=False)
     _perms: dict[int, FeistelPermutation] = field(init=False, repr=False, default_factory=dict)
     _blocks: dict[tuple[int, int], np.ndarray] = field(init=False, repr=False, default_factory=dict)
+    # plans are asked for from the event loop, the plan endpoint's threads and the big-step encoder
+    _cache_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -98,6 +103,11 @@ class Planner:
             pos = self._start_pos[-1] + (gen.start_step - last.start_step) * last.global_batch
         else:
             pos = 0
+        if pos + gen.global_batch > MAX_POSITION:
+            raise ValueError(
+                f"a generation starting at step {gen.start_step} would begin at stream position {pos}, "
+                f"beyond the plan's range ({MAX_POSITION} positions); start it earlier"
+            )
         self.generations.append(gen)
         self._start_pos.append(pos)
 
@@ -108,7 +118,13 @@ class Planner:
         starts = [g.start_step for g in self.generations]
         i = bisect.bisect_right(starts, step) - 1
         gen = self.generations[i]
-        return gen, self._start_pos[i] + (step - gen.start_step) * gen.global_batch
+        pos = self._start_pos[i] + (step - gen.start_step) * gen.global_batch
+        if pos + gen.global_batch > MAX_POSITION:
+            raise ValueError(
+                f"step {step} is beyond the plan's range: its samples would lie past stream position "
+                f"{MAX_POSITION} (dp={gen.dp} x batch_per_rank={gen.batch_per_rank} per step)"
+            )
+        return gen, pos
 
     def epoch_of(self, step: int) -> int:
         return self.generation_at(step)[1] // self.num_samples
@@ -116,10 +132,11 @@ class Planner:
     def _perm(self, epoch: int) -> FeistelPermutation:
         perm = self._perms.get(epoch)
         if perm is None:
-            if len(self._perms) > 8:  # bounded: lookups move forward through epochs
-                self._perms.clear()
             perm = FeistelPermutation(self.num_samples, derive_key(self.seed, epoch))
-            self._perms[epoch] = perm
+            with self._cache_lock:
+                if len(self._perms) > 8:  # bounded: lookups move forward through epochs
+                    self._perms.clear()
+                self._perms[epoch] = perm
         return perm
 
     def plan(self, dp_rank: int, step: int) -> StepPlan:
@@ -153,7 +170,8 @@ class Planner:
         if found is None:
             lo = block * _BLOCK
             found = self._perm(epoch)(np.arange(lo, min(lo + _BLOCK, self.num_samples), dtype=np.int64))
-            if len(self._blocks) >= _BLOCKS_KEPT:
-                self._blocks.pop(next(iter(self._blocks)), None)
-            self._blocks[key] = found
+            with self._cache_lock:
+                while len(self._blocks) >= _BLOCKS_KEPT:
+                    self._blocks.pop(next(iter(self._blocks)), None)
+                self._blocks[key] = found
         return found

@@ -69,21 +69,39 @@ def step_batch(dataset: Dataset, planner: Planner, dp_rank: int, step: int) -> t
     return batch, meta
 
 
+class StepEncoder:
+    """One Arrow IPC stream of ``dp_rank``'s steps, encoded a step per call: the caller decides
+    where each step's work runs (on the event loop for small steps, on a thread for big ones)."""
+
+    def __init__(self, dataset: Dataset, planner: Planner, dp_rank: int) -> None:
+        self.dataset, self.planner, self.dp_rank = dataset, planner, dp_rank
+        self._sink = _Chunks()
+        self._writer: pa.ipc.RecordBatchStreamWriter | None = None
+
+    def step(self, step: int) -> list[bytes | memoryview]:
+        """The stream's bytes for ``step`` (the stream's header first, for the first step)."""
+        batch, meta = step_batch(self.dataset, self.planner, self.dp_rank, step)
+        if self._writer is None:
+            self._writer = pa.ipc.new_stream(pa.PythonFile(self._sink, mode="w"), batch.schema)
+        self._writer.write_batch(batch, custom_metadata=meta)
+        return list(self._sink.drain())
+
+    def close(self) -> list[bytes | memoryview]:
+        """The stream's end-of-stream marker."""
+        if self._writer is None:
+            return []
+        self._writer.close()
+        return list(self._sink.drain())
+
+
 def encode_steps(
     dataset: Dataset, planner: Planner, dp_rank: int, steps: Iterable[int]
 ) -> Iterator[bytes | memoryview]:
     """Arrow IPC stream bytes for ``steps`` of ``dp_rank``, produced lazily, step by step."""
-    sink = _Chunks()
-    writer: pa.ipc.RecordBatchStreamWriter | None = None
+    encoder = StepEncoder(dataset, planner, dp_rank)
     for step in steps:
-        batch, meta = step_batch(dataset, planner, dp_rank, step)
-        if writer is None:
-            writer = pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), batch.schema)
-        writer.write_batch(batch, custom_metadata=meta)
-        yield from sink.drain()
-    if writer is not None:
-        writer.close()
-        yield from sink.drain()
+        yield from encoder.step(step)
+    yield from encoder.close()
 
 
 class WholeBody(Response):

@@ -17,7 +17,8 @@ def _parser() -> argparse.ArgumentParser:
     d = DaemonConfig(dataserver="")
     srv.add_argument("--dataserver", required=True, help="data server base URL, e.g. http://127.0.0.1:8470")
     srv.add_argument("--root", type=Path, default=d.root, help="tmpfs directory for caches, slots and the index")
-    srv.add_argument("--host", default=d.host, help="ops HTTP address")
+    srv.add_argument("--host", default="", help="address the ops and peer HTTP API listens on (default: 127.0.0.1 when the data server is on loopback, else the advertised address)")
+    srv.add_argument("--advertise-address", default="", help="address other nodes' daemons reach this one at (default: this host's address on the route to the data server; never loopback or 0.0.0.0 across hosts)")
     srv.add_argument("--port", type=int, default=d.port, help="ops HTTP port (0 picks one; see --ready-file)")
     srv.add_argument("--budget-mb", type=int, default=d.budget_bytes >> 20, help="shared memory this daemon may use")
     srv.add_argument("--window", type=int, default=d.window, help="steps prefetched ahead per dp rank")
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         dataserver=args.dataserver.rstrip("/"),
         root=args.root,
         host=args.host,
+        advertise_address=args.advertise_address,
         port=args.port,
         budget_bytes=args.budget_mb << 20,
         window=args.window,
@@ -80,15 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
     setup_logging(cfg.log_level)
     try:
+        cfg.resolve_addresses()
         daemon = Daemon(cfg, load_token(cfg.token_file))
         daemon.prepare()
     except (ShmError, ValueError) as exc:
         print(f"statestore serve: error: {exc}", file=sys.stderr)
         return 2
     def bound(port: int) -> None:
-        daemon.address = f"http://{cfg.host}:{port}"
+        daemon.address = f"http://{cfg.advertised_url}:{port}"
 
-    serve(create_app(daemon), cfg.host, cfg.port, cfg.ready_file, on_bound=bound, socket=str(cfg.socket_path), root=str(cfg.root), node_id=cfg.node_id)
+    serve(create_app(daemon), cfg.host, cfg.port, cfg.ready_file, on_bound=bound, socket=str(cfg.socket_path), root=str(cfg.root), node_id=cfg.node_id, advertise=cfg.advertise_address)
     return 0
 
 

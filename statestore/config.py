@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from statestore.link_gate import GateConfig
 
@@ -15,7 +18,8 @@ SOCKET_NAME = "daemon.sock"
 class DaemonConfig:
     dataserver: str  # base URL of the job's data server, e.g. http://10.0.0.1:8470
     root: Path = DEFAULT_ROOT  # on tmpfs; data cache, slots and the LMDB index live here
-    host: str = "127.0.0.1"  # ops HTTP
+    host: str = ""  # ops and peer HTTP; default: 127.0.0.1 if the data server is on loopback, else the advertised address
+    advertise_address: str = ""  # where peers reach this daemon; default: this host's address on the route to the data server
     port: int = 8471
     budget_bytes: int = 4 << 30  # shared memory this daemon may fill
     window: int = 4  # steps prefetched ahead of the slowest local reader of a dp rank
@@ -34,14 +38,43 @@ class DaemonConfig:
     ready_file: str | None = None
     log_level: str = "info"
 
+    def resolve_addresses(self) -> None:
+        """Fill ``host`` and ``advertise_address``, or refuse a pair peers could not use. A daemon
+        that advertised loopback or 0.0.0.0 got its own replicas back: a node loss then lost them."""
+        where = urlsplit(self.dataserver).hostname or ""
+        local_ds = _loopback(where)
+        if self.advertise_address and (_unspecified(self.advertise_address) or (_loopback(self.advertise_address) and not local_ds)):
+            raise ValueError(
+                f"--advertise-address {self.advertise_address} cannot be reached by other hosts; give this host's address on the "
+                "training network (or leave it out: the address on the route to the data server is used)"
+            )
+        if not self.advertise_address:
+            specific = self.host and not _unspecified(self.host) and not _loopback(self.host)
+            self.advertise_address = self.host if specific else _route_to(where)
+        if not self.host:
+            self.host = "127.0.0.1" if _loopback(self.advertise_address) else self.advertise_address
+        if _loopback(self.host) and not _loopback(self.advertise_address):
+            raise ValueError(
+                f"the daemon would listen on {self.host} only, but its peers reach it at {self.advertise_address}: "
+                f"pass --host {self.advertise_address} (or leave --host out)"
+            )
+        if _loopback(self.advertise_address) and not local_ds:
+            raise ValueError(
+                f"the data server {self.dataserver} is on another host, but this daemon would advertise {self.advertise_address}, "
+                "which only this host can reach: pass --advertise-address with this host's address on the training network"
+            )
+
+    @property
+    def advertised_url(self) -> str:
+        host = self.advertise_address
+        return f"[{host}]" if ":" in host else host
+
     @property
     def socket_path(self) -> Path:
         return self.root / SOCKET_NAME
 
     def __post_init__(self) -> None:
         if not self.node_id:
-            import socket
-
             self.node_id = socket.gethostname()
 
     def validate(self) -> None:
@@ -56,3 +89,32 @@ class DaemonConfig:
         self.gate.validate()
         if self.budget_bytes < 1 << 20:
             raise ValueError(f"budget_bytes must be >= 1 MiB, got {self.budget_bytes}")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _route_to(host: str) -> str:
+    """This host's address on the route to ``host`` (a UDP connect sends nothing)."""
+    if _loopback(host):
+        return "127.0.0.1"
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(addr)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ValueError(f"cannot find this host's address on the route to the data server {host!r} ({exc}); pass --advertise-address") from exc

@@ -148,7 +148,8 @@ class ControlServer:
             return {"ok": True}
         if op == "alloc":
             paths = await self.state.slots.alloc(check_name(msg["job"]), check_name(msg["role"]), int(msg["nbytes"]))
-            return {"ok": True, "paths": [str(self.state.root / p) for p in paths]}
+            wait = self.state.replicator.wait_s if self.state.replicator is not None and self.state.replicator.max_lag > 0 else 0.0
+            return {"ok": True, "paths": [str(self.state.root / p) for p in paths], "commit_wait_s": wait}
         if op == "begin":
             job, role, step = check_name(msg["job"]), check_name(msg["role"]), check_step(msg["step"])
             slot = self.state.begin(job, role, step)
@@ -183,8 +184,8 @@ class ControlServer:
             return {"ok": True, **found}
         if op == "verify":
             roles = msg.get("roles")
-            intact = await self.state.verify(check_name(msg["job"]), check_step(msg["step"]), None if roles is None else [check_name(r) for r in roles])
-            return {"ok": True, "intact": intact}
+            bad = await self.state.verify(check_name(msg["job"]), check_step(msg["step"]), None if roles is None else [check_name(r) for r in roles])
+            return {"ok": True, "intact": not bad, "corrupt": bad}
         if op == "ping":
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}; expected open, get, invalidate, alloc, begin, abort, commit, restorable, verify or ping")

@@ -3,25 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import shutil
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import IO, Any
+from pathlib import Path
+from typing import IO, Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import Path as PathParam
 
 from dataserver.httpserver import BearerAuth
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
 
 from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.control import ControlServer
-from statestore.names import check_name, check_step
+from statestore.names import NAME_PATTERN, check_name, check_step
 from statestore.heartbeat import Heartbeat
 from statestore.data_cache import DataCache
 from statestore.index import Index
 from statestore.metrics import registry_for
 from statestore.link_gate import LinkGate
+from statestore.rebuild import QUARANTINE, Rebuilt, rebuild, set_aside
 from statestore.replicas import ReplicaStore
 from statestore.replication import LocalShard, Replicator, _Peers, read_meta_prefix
 from statestore.slots import SlotError, SlotStore
@@ -46,14 +53,54 @@ class Daemon:
         self.gate: LinkGate | None = None
         self.address = ""  # the ops/peer base URL, once bound
         self.huge_pages = "never"  # the root tmpfs's huge= option, read at prepare()
+        self.rebuilt: Rebuilt | None = None  # what a rebuild of a lost index found, if one ran
         self._tasks: list[asyncio.Task[None]] = []
 
     def prepare(self) -> None:
-        """Lock the root, reclaim stale files, reattach, and check the tmpfs has room."""
+        """Lock the root, reclaim stale files, reattach, and check the tmpfs has room. A refused
+        start leaves the root as it found it (no lock file, no index it created)."""
         root = self.config.root
+        created_root, had_index = not root.exists(), (root / "_index").exists()
         self._lock = shm.acquire_root(root)
+        try:
+            self._prepare(root)
+        except BaseException:
+            self._undo(root, created_root, had_index)
+            raise
+
+    def _undo(self, root: Path, created_root: bool, had_index: bool) -> None:
+        if self.index is not None:
+            self.index.close()
+            self.index = None
+        if not had_index:
+            shutil.rmtree(root / "_index", ignore_errors=True)
+        (root / "daemon.lock").unlink(missing_ok=True)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+        if created_root:
+            with contextlib.suppress(OSError):
+                root.rmdir()  # only if this start left nothing else in it
+
+    def _open_index(self, root: Path) -> Index:
+        """The root's index; a damaged or missing one is rebuilt from the slot and replica files."""
+        index, problem = Index.open_checked(root)
+        if index is not None:
+            return index
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        old = set_aside(root, root / "_index", stamp) if (root / "_index").exists() else None
+        index = Index(root)
+        self.rebuilt = rebuild(root, index, stamp)
+        log.warning(
+            f"the index was {problem}: rebuilt it from the slot and replica files; what could not be verified is in "
+            f"{root / QUARANTINE / stamp} (delete it once looked at: it takes room in the tmpfs)",
+            extra={"versions": self.rebuilt.versions, "replicas": self.rebuilt.replicas, "quarantined": self.rebuilt.quarantined, "old_index": old},
+        )
+        return index
+
+    def _prepare(self, root: Path) -> None:
         stale = shm.reclaim_stale(root)
-        self.index = Index(root)
+        self.index = self._open_index(root)
         self.cache = DataCache(self.config, self.index, self.token)
         kept, dropped = self.cache.reattach()
         cache = self.cache
@@ -88,7 +135,7 @@ class Daemon:
         await state.peers.start()
         state.dataserver, state.token, state.gate = self.config.dataserver, self.token, self.gate
         if self.config.replicate:
-            state.replicator = Replicator(self.config.node_id, state.slots, state.replicas, self.heartbeat, state.peers, self.config.replica_max_lag, self.config.replica_wait_s)
+            state.replicator = Replicator(self.config.node_id, state.slots, state.replicas, self.heartbeat, state.peers, self.config.replica_max_lag, self.config.replica_wait_s, state.quarantine)
             self._tasks.append(asyncio.create_task(state.replicator.run(), name="replicator"))
         self.control = ControlServer(self.cache, state, self.config.socket_path, self.heartbeat)
         await self.control.start()
@@ -116,6 +163,78 @@ class Daemon:
             self._lock.close()
 
 
+# --- what the HTTP routes take and answer (the OpenAPI spec is checked by schemathesis) ----------
+MAX_INT64 = (1 << 63) - 1
+META_LIMIT = 64 << 20  # a replica's metadata (its header names every tensor); read_meta_prefix's bound
+
+
+JobName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="the job's name")]
+RoleName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="a role: dp<r>-pp<r>-tp<r>")]
+Step = Annotated[int, PathParam(ge=0, le=MAX_INT64, description="the optimizer step the shard was saved at")]
+Offset = Annotated[int, Query(ge=0, le=MAX_INT64, description="byte offset in the shard")]
+Newest = Annotated[int | None, Query(ge=0, le=MAX_INT64, description="the sender's newest committed step of the role")]
+
+
+class ErrorDetail(BaseModel):
+    detail: str
+
+
+class ValidationDetail(BaseModel):
+    """422: a sentence from the daemon, or FastAPI's list of the parameters that failed validation."""
+
+    detail: str | list[dict[str, Any]]
+
+
+class ReplicaMeta(BaseModel):
+    """What a replica push announces (``begin``'s body, the head of ``whole``'s)."""
+
+    nbytes: int = Field(ge=0, le=MAX_INT64)
+    checksum: str = Field(min_length=1, max_length=128)
+    header: dict[str, Any]
+    source: str = Field(max_length=256)
+
+
+class Received(BaseModel):
+    received: int
+
+
+class WholeReceived(BaseModel):
+    received: int
+    checksum: str
+
+
+class Committed(BaseModel):
+    ok: bool
+    checksum: str
+
+
+_WHY = {
+    400: "the body does not fit the transfer (it runs past the shard's size)",
+    401: "missing or wrong bearer token",
+    404: "no such shard on this node",
+    409: "the transfer is not in the state this request needs (not begun, already partly here, replaced meanwhile)",
+    413: "the body, or the replica it announces, is larger than this daemon can keep (--budget-mb)",
+    416: "the byte range is outside the shard",
+    422: "a parameter or the body is malformed, or a replica's bytes failed their checksum",
+    503: "the daemon has no job token configured",
+    507: "no room in the daemon's --budget-mb",
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {c: {"model": ValidationDetail if c == 422 else ErrorDetail, "description": _WHY[c]} for c in codes}
+
+
+_BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+_BYTES_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": _BINARY}}
+_JSON_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/json": {"schema": ReplicaMeta.model_json_schema()}}}}
+_BYTES_REPLY: dict[str, Any] = {
+    "description": "the shard's bytes",
+    "content": _BINARY,
+    "headers": {"X-FFplane-Checksum": {"description": "XXH3-64 of the whole shard", "schema": {"type": "string"}}},
+}
+
+
 def create_app(daemon: Daemon) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -140,6 +259,7 @@ def create_app(daemon: Daemon) -> FastAPI:
             "window": daemon.config.window,
             "budget_bytes": daemon.config.budget_bytes,
             "bytes": c.cached_bytes(),
+            "peak_bytes": c.peak_bytes,
             "fetched_bytes": c.bytes_fetched,
             "streams": [s.describe(daemon.config.window) for s in c.streams.values()],
         }
@@ -173,13 +293,22 @@ def create_app(daemon: Daemon) -> FastAPI:
             raise HTTPException(404, f"no committed shard or replica of {role} at step {step} in job {job!r} on this node")
         return shard
 
-    @app.get("/v1/state/{job}/{role}/{step}", dependencies=needs_token)
-    def shard_meta(job: str, role: str, step: int) -> dict[str, Any]:
+    def _bounded_body(request: Request, limit: int) -> None:
+        """413 before a byte is read when the declared body is larger than anything this route keeps."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HTTPException(413, f"a body of {declared} bytes; at most {limit} fit here (the daemon's --budget-mb bounds a replica)")
+
+    @app.get("/v1/state/{job}/{role}/{step}", dependencies=needs_token, responses=_errors(401, 404, 422, 503))
+    def shard_meta(job: JobName, role: RoleName, step: Step) -> dict[str, Any]:
         """Size, checksum and header of a shard held here (peer API)."""
         return _held(job, role, step).meta()
 
-    @app.get("/v1/state/{job}/{role}/{step}/shard", dependencies=needs_token)
-    async def shard(job: str, role: str, step: int, offset: int = 0, length: int | None = None) -> Response:
+    @app.get(
+        "/v1/state/{job}/{role}/{step}/shard", dependencies=needs_token, response_class=Response,
+        responses={200: _BYTES_REPLY, **_errors(401, 404, 409, 416, 422, 503)},
+    )
+    async def shard(job: JobName, role: RoleName, step: Step, offset: Offset = 0, length: Annotated[int | None, Query(ge=0, le=MAX_INT64)] = None) -> Response:
         """The raw bytes of a shard held here, or ``length`` of them from ``offset`` (peer API)."""
         held = _held(job, role, step)
         end = held.nbytes if length is None else offset + length
@@ -196,44 +325,67 @@ def create_app(daemon: Daemon) -> FastAPI:
         """Start (or resume) receiving a replica described by ``meta``; the offset to send from."""
         assert daemon.state is not None
         try:
-            args = (check_name(job), check_name(role), check_step(step), int(meta["nbytes"]), str(meta["checksum"]), dict(meta["header"]), str(meta["source"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise HTTPException(422, f"replica metadata needs nbytes, checksum, header and source: {exc}") from exc
+            m = ReplicaMeta.model_validate(meta)
+            args = (check_name(job), check_name(role), check_step(step), m.nbytes, m.checksum, m.header, m.source)
+        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            raise HTTPException(422, f"replica metadata needs nbytes, checksum, header and source: {' '.join(str(exc).split())}") from exc
+        if m.nbytes > daemon.config.budget_bytes:  # could never fit: not a 507 (no room *now*)
+            raise HTTPException(
+                413, f"a replica of {m.nbytes / 2**20:.1f} MiB is larger than this daemon's whole budget "
+                f"({daemon.config.budget_bytes / 2**20:.1f} MiB); raise --budget-mb on this node",
+            )
         try:
             return daemon.state.replicas.begin(*args)
         except SlotError as exc:
             raise HTTPException(exc.status, str(exc)) from exc
 
-    @app.post("/v1/replicas/{job}/{role}/{step}/begin", dependencies=needs_token)
-    async def replica_begin(job: str, role: str, step: int, request: Request) -> dict[str, Any]:
+    @app.post(
+        "/v1/replicas/{job}/{role}/{step}/begin", dependencies=needs_token, response_model=Received,
+        responses=_errors(401, 413, 422, 503, 507), openapi_extra=_JSON_BODY,
+    )
+    async def replica_begin(job: JobName, role: RoleName, step: Step, request: Request) -> dict[str, Any]:
         """Start or resume receiving a replica; answers the offset to send from (peer API)."""
         assert daemon.state is not None
+        _bounded_body(request, META_LIMIT)
+        body = bytearray()
+        async for piece in request.stream():  # no Content-Length (chunked): counted as it comes
+            body += piece
+            if len(body) > META_LIMIT:
+                raise HTTPException(413, f"replica metadata over {META_LIMIT} bytes")
         try:
-            meta = await request.json()
+            meta = ReplicaMeta.model_validate_json(bytes(body))
         except ValueError as exc:
-            raise HTTPException(422, f"replica begin needs a JSON body: {exc}") from exc
+            raise HTTPException(422, f"replica begin needs a JSON body with nbytes, checksum, header and source: {' '.join(str(exc).split())}") from exc
         return {"received": _replica_begin(job, role, step, meta)}
 
-    @app.put("/v1/replicas/{job}/{role}/{step}", dependencies=needs_token)
-    async def replica_chunk(job: str, role: str, step: int, offset: int, request: Request) -> dict[str, Any]:
+    @app.put(
+        "/v1/replicas/{job}/{role}/{step}", dependencies=needs_token, response_model=Received,
+        responses=_errors(400, 401, 409, 413, 422, 503), openapi_extra=_BYTES_BODY,
+    )
+    async def replica_chunk(job: JobName, role: RoleName, step: Step, offset: Offset, request: Request) -> dict[str, Any]:
         """The replica's bytes from ``offset`` on, streamed; a cut-off transfer resumes where the
         answer of the next ``begin`` says (peer API)."""
         assert daemon.state is not None
+        _bounded_body(request, daemon.config.budget_bytes)
         try:
             return {"received": await daemon.state.replicas.receive(job, role, step, offset, request.stream())}
         except SlotError as exc:
             raise HTTPException(exc.status, str(exc)) from exc
 
-    @app.put("/v1/replicas/{job}/{role}/{step}/whole", dependencies=needs_token)
-    async def replica_whole(job: str, role: str, step: int, request: Request, newest: int | None = None) -> dict[str, Any]:
+    @app.put(
+        "/v1/replicas/{job}/{role}/{step}/whole", dependencies=needs_token, response_model=WholeReceived,
+        responses=_errors(400, 401, 409, 413, 422, 503, 507), openapi_extra=_BYTES_BODY,
+    )
+    async def replica_whole(job: JobName, role: RoleName, step: Step, request: Request, newest: Newest = None) -> dict[str, Any]:
         """A whole replica in one request: the body is its metadata (a little-endian u32 length,
         then the JSON ``begin`` takes) followed by every byte; received, verified and committed.
         A receiver already holding part of it answers 409: resume through ``begin`` (peer API)."""
         assert daemon.state is not None
         replicas = daemon.state.replicas
+        _bounded_body(request, daemon.config.budget_bytes + 4 + META_LIMIT)
         try:
-            meta, rest = await read_meta_prefix(request.stream())
-        except ValueError as exc:
+            meta, rest = await read_meta_prefix(request.stream(), META_LIMIT)
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
             raise HTTPException(422, f"a whole replica starts with its metadata (u32 length, then JSON): {exc}") from exc
         offset = _replica_begin(job, role, step, meta)
         if offset:
@@ -247,8 +399,8 @@ def create_app(daemon: Daemon) -> FastAPI:
             raise HTTPException(exc.status, str(exc)) from exc
         return {"received": received, "checksum": r.checksum}
 
-    @app.post("/v1/replicas/{job}/{role}/{step}/commit", dependencies=needs_token)
-    async def replica_commit(job: str, role: str, step: int, newest: int | None = None) -> dict[str, Any]:
+    @app.post("/v1/replicas/{job}/{role}/{step}/commit", dependencies=needs_token, response_model=Committed, responses=_errors(401, 409, 422, 503))
+    async def replica_commit(job: JobName, role: RoleName, step: Step, newest: Newest = None) -> dict[str, Any]:
         """Verify the whole replica's checksum and make it count; ``newest`` is the sender's newest
         committed step of the role (replicas above it are dropped) (peer API)."""
         assert daemon.state is not None
@@ -266,7 +418,7 @@ def create_app(daemon: Daemon) -> FastAPI:
 
     registry = None
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     def metrics() -> Response:
         nonlocal registry
         assert daemon.cache is not None and daemon.state is not None

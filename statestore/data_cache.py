@@ -55,6 +55,7 @@ class Stream:
     inflight: dict[int, asyncio.Future[CachedStep]] = field(default_factory=dict)
     failed: dict[int, FetchError] = field(default_factory=dict)
     end_step: int | None = None  # first step the data server refused as out of range
+    step_bytes: int = 0  # the size of the last step the data server announced
     hits: int = 0
     misses: int = 0
     wait_s: float = 0.0
@@ -111,6 +112,9 @@ async def _copy_body(resp: aiohttp.ClientResponse, fd: int, admit: Callable[[int
     return out.offset
 
 
+_PUT_OFF = 503  # a prefetch that waits for room: a reader asking for it retries, as for a busy data server
+
+
 def step_file(step: int) -> str:
     """The published name of a cached step inside its stream's directory (part of the control
     protocol: readers map it directly)."""
@@ -131,6 +135,8 @@ class DataCache:
         self._session: aiohttp.ClientSession | None = None
         self.bytes_fetched = 0
         self.other_bytes: Callable[[], int] = lambda: 0  # shared memory the state slots hold
+        self._reserved = 0  # bytes of steps being written now
+        self.peak_bytes = 0  # the most the cache ever held (or had reserved) at once: at most the budget
         self.gate: LinkGate | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -156,7 +162,7 @@ class DataCache:
         return kept, dropped
 
     def cached_bytes(self) -> int:
-        return sum(s.nbytes() for s in self.streams.values())
+        return sum(s.nbytes() for s in self.streams.values()) + self._reserved
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -178,8 +184,7 @@ class DataCache:
     def _stream(self, job: str, dp_rank: int) -> Stream:
         stream = self.streams.get((job, dp_rank))
         if stream is None:
-            directory = self.config.root / job / "data" / str(dp_rank)
-            directory.mkdir(parents=True, exist_ok=True)
+            directory = shm.private_dir(self.config.root / job / "data" / str(dp_rank))
             stream = Stream(job, dp_rank, directory)
             self.streams[(job, dp_rank)] = stream
         return stream
@@ -243,7 +248,47 @@ class DataCache:
                 self._start_fetch(stream, step)
 
     def _step_estimate(self, stream: Stream) -> int:
-        return max((c.nbytes for c in stream.ready.values()), default=0)
+        return max(max((c.nbytes for c in stream.ready.values()), default=0), stream.step_bytes)
+
+    def _make_room(self, stream: Stream, step: int, need: int) -> None:
+        """Reserve ``need`` bytes for ``step`` within the budget. A step a reader waits for makes
+        room by evicting what no reader is on (consumed steps kept for replay first, then the
+        furthest prefetched); a prefetch that does not fit is put off (503) until room frees."""
+        budget = self.config.budget_bytes
+
+        def over() -> int:
+            return self.cached_bytes() + self.other_bytes() + need - budget
+
+        if over() > 0 and bool(stream.readers) and step <= max(stream.readers.values()):
+            for victim, s in self._victims():
+                if over() <= 0:
+                    break
+                shm.unlink(victim.ready.pop(s).path)  # a reader still mapping it keeps its pages
+                self.index.delete(_index_key(victim.job, victim.dp_rank, s))
+        if over() > 0:
+            if stream.readers and step <= max(stream.readers.values()):
+                mib = 1 << 20
+                raise FetchError(
+                    f"step {step} of {stream.key} ({need / mib:.1f} MiB) does not fit in the daemon's budget of {budget / mib:.1f} MiB "
+                    f"({(self.cached_bytes()) / mib:.1f} MiB of cached steps readers are on, {self.other_bytes() / mib:.1f} MiB of state "
+                    "slots and replicas); raise --budget-mb (and the tmpfs), or lower --window", 507,
+                )
+            raise FetchError(f"prefetch of {stream.key} step {step} put off: the cache is at its budget", _PUT_OFF)
+        self._reserved += need
+        self.peak_bytes = max(self.peak_bytes, self.cached_bytes())
+
+    def _victims(self) -> list[tuple[Stream, int]]:
+        consumed, ahead = [], []
+        for st in self.streams.values():
+            at = set(st.readers.values())
+            for s in st.ready:
+                if s in at:
+                    continue
+                if not at or s < min(at):
+                    consumed.append((s, st))
+                elif s > max(at):
+                    ahead.append((-s, st))
+        return [(st, s) for s, st in sorted(consumed, key=lambda c: c[0])] + [(st, -s) for s, st in sorted(ahead, key=lambda a: a[0])]
 
     def _start_fetch(self, stream: Stream, step: int) -> asyncio.Future[CachedStep]:
         fut: asyncio.Future[CachedStep] = asyncio.get_running_loop().create_future()
@@ -262,12 +307,13 @@ class DataCache:
             stream.fetched += 1
             fut.set_result(cached)
         except FetchError as exc:
-            stream.failed[step] = exc
+            if exc.status != _PUT_OFF:  # a put-off prefetch is tried again once there is room
+                stream.failed[step] = exc
             fut.set_exception(exc)
             fut.exception()  # retrieved here; waiters get it from stream.failed / the future
             if exc.status == 416:  # past the job's end: stop prefetching there
                 stream.end_step = step if stream.end_step is None else min(step, stream.end_step)
-            log.log(logging.INFO if exc.status == 416 else logging.WARNING, "fetch failed", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step, "error": str(exc)})
+            log.log(logging.INFO if exc.status in (416, _PUT_OFF) else logging.WARNING, "fetch failed", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step, "error": str(exc)})
         except BaseException as exc:
             if not fut.done():
                 fut.cancel()
@@ -291,12 +337,18 @@ class DataCache:
                 if resp.status != 200:
                     detail = (await resp.text())[:500]
                     raise FetchError(f"data server answered {resp.status} for {stream.key} step {step}: {detail}", resp.status)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                need = resp.content_length if resp.content_length is not None else self._step_estimate(stream)
+                stream.step_bytes = need
+                self._make_room(stream, step, need)
                 try:
-                    shm.presize(fd, resp.content_length or 0)
-                    nbytes = await _copy_body(resp, fd, None if self.gate is None else lambda n: self._admit(stream, step, n))
+                    fd = shm.open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    try:
+                        shm.presize(fd, resp.content_length or 0)
+                        nbytes = await _copy_body(resp, fd, None if self.gate is None else lambda n: self._admit(stream, step, n))
+                    finally:
+                        os.close(fd)
                 finally:
-                    os.close(fd)
+                    self._reserved -= need
                 if resp.content_length is not None and nbytes != resp.content_length:
                     raise FetchError(f"{stream.key} step {step}: body of {nbytes} bytes, Content-Length said {resp.content_length}")
         except aiohttp.ClientError as exc:

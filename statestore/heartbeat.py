@@ -61,6 +61,21 @@ class Heartbeat:
         self._exited.append(info)
         self._now.set()
 
+    async def report_unreachable(self, node: str) -> None:
+        """Tell the coordinator that ``node`` (this node's ring successor) takes no connection;
+        it checks for itself and moves the ring past it."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        url = f"{self.config.dataserver.rstrip('/')}/v1/nodes/{node}/unreachable"
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+                async with session.post(url, json={"reporter": self.config.node_id}, headers=headers) as resp:
+                    if resp.status != 200:
+                        log.warning("the coordinator did not take the report", extra={"node": node, "status": resp.status, "detail": (await resp.text())[:300]})
+                        return
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("cannot report an unreachable successor", extra={"node": node, "error": str(exc)})
+        self._now.set()  # beat now: the answer brings the new ring
+
     def inventory(self) -> dict[str, dict[str, list[dict[str, Any]]]]:
         """job → role → the committed versions held here: this node's own saves, then complete,
         verified replicas (a role saving here and replicated here lists both)."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from statestore import shm
 from statestore.checksum import streaming_checksum
-from statestore.index import Index
+from statestore.index import Index, remove_sidecar, write_sidecar
 from statestore.slots import SlotError
 
 log = logging.getLogger(__name__)
@@ -117,8 +117,8 @@ class ReplicaStore:
                     f"{max(self._free_bytes(), 0) / 2**20:.1f} MiB of the daemon's budget left; raise --budget-mb", 507,
                 )
             rel = f"{job}/replica/{role}/{step:012d}"
-            (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / f"{rel}.part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            shm.private_dir((self.root / rel).parent)
+            fd = shm.open_private(self.root / f"{rel}.part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 shm.presize(fd, nbytes)
             finally:
@@ -186,7 +186,9 @@ class ReplicaStore:
             self._forget_map(r.path)  # a replaced version's old mapping must not serve its bytes
             os.rename(part, self.root / r.path)
             r.complete_at = time.time()
-            self.index.put(_key(job, role, step), dict(vars(r)))  # shallow: the header is not copied
+            entry = dict(vars(r))  # shallow: the header is not copied
+            self.index.put(_key(job, role, step), entry)
+            write_sidecar(self.root / r.path, entry)  # what a rebuild of a lost index adopts (after verifying it)
             versions = self.complete.setdefault((job, role), {})
             versions[step] = r
             # as with slots: a "future" the primary rewound from (it restored an older step and
@@ -231,6 +233,14 @@ class ReplicaStore:
     def _unlink(self, r: Replica) -> None:
         self._forget_map(r.path)
         (self.root / r.path).unlink(missing_ok=True)
+        remove_sidecar(self.root / r.path)
+
+    def drop(self, job: str, role: str, step: int) -> None:
+        """Forget a replica or pulled shard that failed its checksum (its file goes too)."""
+        r = self.complete.get((job, role), {}).pop(step, None)
+        if r is not None:
+            self.index.delete(_key(job, role, step))
+            self._unlink(r)
 
     def drop_pulled(self, job: str, below: int) -> None:
         """Shards pulled for a restore are obsolete once the job has committed a newer step here."""

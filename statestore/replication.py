@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from statestore.checksum import checksum
 from statestore.heartbeat import Heartbeat
 from statestore.link_gate import LinkGate, Priority
 from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
@@ -39,6 +40,7 @@ _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux
 # (logged). docs/decisions.md "A successor gone for a moment".
 _ALONE_GRACE_S = 5.0
 _TRIED_KEPT = 4096
+_REPORT_DOWN_S = 2.0  # a successor refusing connections this long is reported to the coordinator
 _META_LEN = struct.Struct("<I")
 
 
@@ -101,6 +103,10 @@ class LocalShard:
         store = self._slots if self.kind == "primary" else self._replicas
         return memoryview(store.mapped(self.rel))[: self.nbytes]
 
+    def intact(self) -> bool:
+        """Whether the bytes still match the checksum recorded at commit."""
+        return checksum(self.view()) == self.checksum
+
     def current(self) -> bool:
         """Still held (a save may reuse a primary's slot; replicas give way to newer ones)."""
         if self.kind == "primary":
@@ -124,9 +130,10 @@ def find_local(slots: SlotStore, replicas: ReplicaStore, job: str, role: str, st
 
 
 class PeerError(Exception):
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, status: int = 502, unreachable: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.unreachable = unreachable  # no connection could be made (refused, or timed out)
 
 
 class _Peers:
@@ -175,7 +182,7 @@ class _Peers:
                 result: dict[str, Any] = await resp.json()
                 return result
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise PeerError(f"{method} {url} failed: {exc!r}") from exc
+            raise PeerError(f"{method} {url} failed: {exc!r}", unreachable=isinstance(exc, (aiohttp.ClientConnectorError, asyncio.TimeoutError))) from exc
 
     async def push(self, base: str, shard: LocalShard, source: str, newest: int, urgent: Callable[[], bool] = lambda: False,
                    maybe_there: bool = False) -> int:
@@ -290,8 +297,10 @@ class _Peers:
 class Replicator:
     """Pushes every newly committed shard to the ring successor; re-replicates on ring changes."""
 
-    def __init__(self, node_id: str, slots: SlotStore, replicas: ReplicaStore, heartbeat: Heartbeat, peers: _Peers, max_lag: int = 1, wait_s: float = 30.0) -> None:
+    def __init__(self, node_id: str, slots: SlotStore, replicas: ReplicaStore, heartbeat: Heartbeat, peers: _Peers, max_lag: int = 1, wait_s: float = 30.0,
+                 quarantine: Callable[[LocalShard], None] = lambda shard: None) -> None:
         self.node_id = node_id
+        self._quarantine = quarantine  # drops a copy found corrupt (the state service's)
         self.max_lag = max_lag
         self.wait_s = wait_s
         self.slots = slots
@@ -315,6 +324,8 @@ class Replicator:
         self.commit_waits = self.commit_wait_timeouts = 0
         self.commit_wait_s = 0.0
         self.last_error = ""
+        self._down = False  # the last failure was a connection that could not be made
+        self._down_since: tuple[str, float, float] | None = None  # (successor, since, last reported)
 
     def committed(self, job: str, role: str, step: int) -> None:
         self._commits[(job, role)] = self._commits.get((job, role), 0) + 1
@@ -424,6 +435,7 @@ class Replicator:
                     self._ring_changed(view)
             if succ is None or not addr or not self._pending:
                 continue
+            started = time.monotonic()
             try:
                 ok = await self._drain(succ, addr)
             except Exception as exc:  # noqa: BLE001 - one bad shard must not end replication for the node
@@ -433,7 +445,10 @@ class Replicator:
                 ok = False
             if ok:
                 backoff = 0.2
-            else:
+                self._down_since = None
+            elif self._down:
+                await self._report_down(succ, started)
+            if not ok:
                 await asyncio.sleep(backoff)  # the successor may be restarting: keep trying
                 backoff = min(backoff * 2, 2.0)
                 self._wake.set()
@@ -458,8 +473,13 @@ class Replicator:
                 if exc.status == 409 and not shard.current():
                     self._discard(job, role, step)  # superseded here; a newer version is queued
                     continue
+                if exc.status == 422 and not await asyncio.to_thread(shard.intact):
+                    self._quarantine(shard)  # the receiver found it corrupt, and so do we: sending it again cannot help
+                    self._discard(job, role, step)
+                    continue
                 self.failures += 1
                 self.last_error = str(exc)
+                self._down = exc.unreachable
                 log.warning("replication failed; will resume", extra={"job": job, "role": role, "step": step, "to": succ, "error": str(exc)})
                 return False
             self._discard(job, role, step)
@@ -472,6 +492,20 @@ class Replicator:
                 self._progress = asyncio.Event()
             log.info("replicated", extra={"job": job, "role": role, "step": step, "to": succ, "bytes": sent, "seconds": round(time.perf_counter() - started, 4)})
         return True
+
+    async def _report_down(self, succ: str, tried_at: float) -> None:
+        """A successor that beats but takes no connection holds every commit's answer until the
+        wait runs out: after ``_REPORT_DOWN_S`` of that, tell the coordinator, which checks and
+        moves the ring past it (then the new successor gets the newest versions)."""
+        now = time.monotonic()
+        if self._down_since is None or self._down_since[0] != succ:
+            self._down_since = (succ, tried_at, 0.0)  # a connect that timed out has waited already
+        _, since, reported = self._down_since
+        if now - since < _REPORT_DOWN_S or now - reported < _REPORT_DOWN_S:
+            return
+        self._down_since = (succ, since, now)
+        log.warning("ring successor unreachable: reported to the coordinator", extra={"successor": succ, "unreachable_s": round(now - since, 1), "error": self.last_error})
+        await self.heartbeat.report_unreachable(succ)
 
     def _urgent(self, job: str, role: str) -> bool:
         """Whether a push may pass TRAIN's signals (it is still counted as replication). The gate

@@ -9,7 +9,11 @@ Peers break on three things, so this module owns them:
 * temporary files of a writer that died are reclaimed at start-up (one daemon per root, enforced
   with a lock, so every temporary file found then is stale);
 * the tmpfs must have room for the configured budget, checked before anything is written, because
-  running out later surfaces as SIGBUS in a reader rather than as an error.
+  running out later surfaces as SIGBUS in a reader rather than as an error;
+* what the daemon holds is the job's data and training state, so it is private to the user the
+  daemon and the workers run as: every folder it creates is 0700 (``private_dir``) and every
+  file 0600 (``PRIVATE_FILE``), in the root and in the durable tier. A folder the operator made
+  (``--root``, ``--durable-dir`` when they exist already) keeps the mode it was given.
 
 Page size matters too: a reader maps every cached step afresh, and on 4 KiB pages populating a
 4 MiB mapping costs about as much as copying it. On a tmpfs mounted ``huge=within_size`` the
@@ -27,16 +31,43 @@ from typing import IO
 
 TMP_MARK = ".tmp-"
 HUGE_PAGE = 2 << 20
+PRIVATE_FILE = 0o600  # mode of every file the daemon creates (before the umask, which only removes)
+PRIVATE_DIR = 0o700  # and of every folder
 
 
 class ShmError(RuntimeError):
     """The shared-memory root is unusable; the message says how to fix it."""
 
 
+def private_dir(path: Path) -> Path:
+    """``mkdir -p path`` where every folder it creates is 0700; folders that exist are left as
+    they are (the operator's ``--root`` or ``--durable-dir``, or a parent of them). Returns ``path``."""
+    missing: list[Path] = []
+    p = path
+    while not p.is_dir():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=PRIVATE_DIR)  # only the final component: parents=True would ignore mode
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+    return path
+
+
+def open_private(path: str | os.PathLike[str], flags: int) -> int:
+    """``os.open`` that creates ``path`` 0600: an ``opener`` for ``open()`` too."""
+    return os.open(path, flags, PRIVATE_FILE)
+
+
 def acquire_root(root: Path) -> IO[bytes]:
-    """Create ``root`` and hold its lock for the life of the process (one daemon per root)."""
-    root.mkdir(parents=True, exist_ok=True)
-    lock = open(root / "daemon.lock", "ab")
+    """Create ``root`` (0700, if missing) and hold its lock for the life of the process (one
+    daemon per root)."""
+    private_dir(root)
+    lock = open(root / "daemon.lock", "ab", opener=open_private)  # noqa: SIM115 - held for the process life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:

@@ -22,7 +22,7 @@ from typing import Any
 
 from statestore import shm
 from statestore.checksum import ALGORITHM, checksum
-from statestore.index import Index
+from statestore.index import Index, remove_sidecar, write_sidecar
 
 log = logging.getLogger(__name__)
 KEEP_VERSIONS = 3  # see docs/decisions.md, "Three versions per role"
@@ -79,7 +79,7 @@ class RoleState:
         return [self.versions[s] for s in sorted(self.versions, reverse=True)[:n]]
 
 
-def _vkey(job: str, role: str, step: int) -> str:
+def version_key(job: str, role: str, step: int) -> str:
     return f"state/{job}/{role}/{step:012d}"
 
 
@@ -158,8 +158,7 @@ class SlotStore:
                 507,
             )
         rs.gen += 1
-        directory = self.root / job / "state" / role
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = shm.private_dir(self.root / job / "state" / role)
         paths = []
         for k in range(SLOTS):
             path = directory / f"slot-{rs.gen}-{k}.bin"
@@ -183,6 +182,7 @@ class SlotStore:
             if mm is not None:
                 mm.close()
             (self.root / rel).unlink(missing_ok=True)
+            remove_sidecar(self.root / rel)
 
     def begin(self, job: str, role: str, step: int, exclude: AbstractSet[str] = frozenset()) -> str:
         """Pick the slot for ``step`` (``RESERVED``: for the role's next save, whatever its step):
@@ -199,7 +199,8 @@ class SlotStore:
         for s in stale:  # the version this slot held is about to be overwritten
             del rs.versions[s]
         if stale:
-            self.index.delete(*(_vkey(job, role, s) for s in stale))
+            self.index.delete(*(version_key(job, role, s) for s in stale))
+            remove_sidecar(self.root / slot)
         rs.writing[slot] = step
         return slot
 
@@ -241,6 +242,7 @@ class SlotStore:
             if static_header is not None and static not in rs.statics:
                 rs.statics[static] = static_header
                 self.index.put(f"statics/{job}/{role}/{static}", static_header)
+                write_sidecar(self._static_file(job, role, static), static_header)
             header = {**rs.statics[static], **header}
         version = Version(step, slot, nbytes, digest, header, time.time(), save_block_s, static=static)
         version.commit_s = time.perf_counter() - started
@@ -249,12 +251,14 @@ class SlotStore:
         kept = {*rs.versions, step}
         stale = [s for s in kept if s > step] + sorted(s for s in kept if s <= step)[:-KEEP_VERSIONS]
         # the commit point, and the index forgets what it replaces in the same transaction
-        self.index.put(_vkey(job, role, step), version.index_entry(), replacing=(_vkey(job, role, s) for s in stale))
+        entry = version.index_entry()
+        self.index.put(version_key(job, role, step), entry, replacing=(version_key(job, role, s) for s in stale))
+        write_sidecar(self.root / slot, entry)  # what a rebuild of a lost index adopts (after verifying it)
         rs.versions[step] = version
         rs.writing.pop(slot, None)
         dropped = {rs.versions[s].path for s in stale}
         for old in stale:
-            del rs.versions[old]
+            remove_sidecar(self.root / rs.versions.pop(old).path)
         if stale:
             self._release_unreferenced(rs, dropped - set(rs.paths))
         if len(rs.statics) > 1:
@@ -268,10 +272,24 @@ class SlotStore:
             del rs.statics[digest]
         if unused:
             self.index.delete(*(f"statics/{rs.job}/{rs.role}/{d}" for d in unused))
+        for d in unused:
+            remove_sidecar(self._static_file(rs.job, rs.role, d))
+
+    def _static_file(self, job: str, role: str, digest: str) -> Path:
+        return self.root / job / "state" / role / f"static-{digest}"
 
     @staticmethod
     def _adoptable(rs: RoleState, slot: str) -> bool:
         return slot in rs.paths and slot not in rs.writing and all(v.path != slot for v in rs.versions.values())
+
+    def drop(self, job: str, role: str, step: int) -> None:
+        """Forget a committed version that failed its checksum: the slot holds nothing any more
+        and is reused by a later save."""
+        rs = self.roles.get((job, role))
+        version = rs.versions.pop(step, None) if rs is not None else None
+        if version is not None:
+            self.index.delete(version_key(job, role, step))
+            remove_sidecar(self.root / version.path)
 
     def verify(self, version: Version) -> bool:
         return checksum(memoryview(self.mapped(version.path))[: version.nbytes]) == version.checksum

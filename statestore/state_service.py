@@ -14,7 +14,6 @@ from typing import Any
 import aiohttp
 
 from statestore import durable
-from statestore.checksum import checksum
 from statestore.link_gate import LinkGate, Priority
 from statestore.replicas import ReplicaStore
 from statestore.replication import LocalShard, PeerError, Replicator, _Peers, find_local
@@ -50,6 +49,8 @@ class StateService:
         self.durable_written = 0
         self.pulled_bytes = 0
         self._pulls: dict[tuple[str, str, int], asyncio.Future[LocalShard]] = {}
+        self._bad: set[tuple[str, str, int, str]] = set()  # (job, role, step, node or _DURABLE): copies found corrupt
+        self.quarantined = 0
 
     def begin(self, job: str, role: str, step: int) -> str:
         # a slot still being copied to the durable tier must not be overwritten
@@ -59,6 +60,8 @@ class StateService:
         """Commit ``step`` (``how``: ``SlotStore.commit``'s reservation and static-header options)."""
         version = await self.slots.commit(job, role, step, slot, nbytes, header, save_block_s, **how)
         self.replicas.drop_pulled(job, below=step)
+        if self._bad:  # the job moved on: a step saved again later is a new version
+            self._bad = {b for b in self._bad if b[0] != job}
         if self.replicator is not None:
             self.replicator.committed(job, role, step)
         if self.durable.due(step):
@@ -95,16 +98,37 @@ class StateService:
     def local(self, job: str, role: str, step: int) -> LocalShard | None:
         return find_local(self.slots, self.replicas, job, role, step)
 
-    async def verify(self, job: str, step: int, roles: list[str] | None = None) -> bool:
-        """Whether the shards of ``roles`` (default: every role saving here) at ``step`` are intact."""
+    async def verify(self, job: str, step: int, roles: list[str] | None = None) -> list[str]:
+        """The roles (default: every role saving here) whose shard of ``step`` held here fails its
+        checksum or is gone. A corrupt copy is dropped at once, so the next ``restorable`` of the
+        same step takes another copy (a replica on another node, the durable tier) instead of an
+        older step."""
         if roles is None:
-            versions = self.slots.versions_at(job, step)
-            return bool(versions) and await self.slots.verify_step(versions)
-        shards = [self.local(job, r, step) for r in roles]
-        if any(s is None for s in shards):
-            return False
-        results = await asyncio.gather(*(asyncio.to_thread(_intact, s) for s in shards if s is not None))
-        return all(results)
+            roles = sorted(self.slots.versions_at(job, step))
+            if not roles:
+                return ["*"]
+        shards = {r: self.local(job, r, step) for r in roles}
+        held = {r: s for r, s in shards.items() if s is not None}
+        results = await asyncio.gather(*(asyncio.to_thread(s.intact) for s in held.values()))
+        bad = sorted(r for r, s in shards.items() if s is None)
+        for (r, shard), ok in zip(held.items(), results):
+            if not ok:
+                self.quarantine(shard)
+                bad.append(r)
+        return sorted(bad)
+
+    def quarantine(self, shard: LocalShard) -> None:
+        """Drop a copy held here that failed its checksum, and never offer it again."""
+        log.warning(
+            "corrupt shard dropped: it fails its checksum; another copy of the same step is used if one is intact",
+            extra={"job": shard.job, "role": shard.role, "step": shard.step, "kind": shard.kind, "path": shard.rel},
+        )
+        self._bad.add((shard.job, shard.role, shard.step, self.node_id))
+        if shard.kind == "primary":
+            self.slots.drop(shard.job, shard.role, shard.step)
+        else:
+            self.replicas.drop(shard.job, shard.role, shard.step)
+        self.quarantined += 1
 
     # --- restore -------------------------------------------------------------------------
     async def restorable(self, job: str, verify: bool = True, below: int | None = None, roles: list[str] | None = None, step: int | None = None) -> dict[str, Any]:
@@ -129,6 +153,8 @@ class StateService:
         return await self._durable(job, set(roles or []) | known, "no intact copy in this daemon's memory" if known else "", step)
 
     async def _restorable_jobwide(self, job: str, status: dict[str, Any], roles: list[str], below: int | None, step: int | None) -> dict[str, Any]:
+        """Newest step with an intact copy of every role: per role, every copy of a step (here, on
+        a live node, in the durable tier) is tried before the step is given up for an older one."""
         expected = set(status.get("roles", [])) | set(roles)
         alive = {n: m["address"] for n, m in status.get("members", {}).items() if m.get("alive")}
         where: dict[str, dict[int, list[str]]] = {
@@ -137,29 +163,69 @@ class StateService:
         for r in expected:  # what is here counts even if the coordinator has not heard of it yet
             for s in self._local_steps(job, r):
                 where.setdefault(r, {}).setdefault(s, []).insert(0, self.node_id)
+        for r, steps in where.items():  # copies found corrupt are not asked again
+            for s, nodes in steps.items():
+                nodes[:] = [n for n in nodes if (job, r, s, n) not in self._bad]
+        on_disk = await asyncio.to_thread(durable.steps_by_role, self.durable.directory, job, expected) if self.durable.directory else {}
         have = [{s for s, nodes in where.get(r, {}).items() if nodes} for r in expected]
-        common = set.intersection(*have) if have else set()
+        anywhere = [h | {s for s in on_disk.get(r, set()) if (job, r, s, _DURABLE) not in self._bad} for r, h in zip(expected, have)]
+        common = set.intersection(*anywhere) if anywhere else set()
         if step is not None:
             candidates = [step] if step in common else []
         else:
             candidates = sorted((s for s in common if below is None or s < below), reverse=True)
-        if not candidates:
-            if not any(have):  # nothing in memory anywhere: a fresh job, or one restarted from disk
-                return await self._durable(job, expected, "", step)
-            lost = sorted(r for r, h in zip(expected, have) if not h)
-            dead = status.get("dead", [])
-            reason = (
-                f"no step of job {job!r} has every role in memory on a live node (roles without any copy: {lost or 'none'}; "
-                f"dead nodes: {dead}); a node and its ring successor were probably lost together"
+        corrupt: list[str] = []
+        for chosen in candidates:
+            try:
+                got = await asyncio.gather(*(self._copy_of(job, r, chosen, where.get(r, {}).get(chosen, []), alive, chosen in on_disk.get(r, set())) for r in roles))
+            except _NoIntactCopy as exc:
+                corrupt.append(str(exc))
+                log.warning("no intact copy of a role at this step: trying an older one", extra={"job": job, "step": chosen, "error": str(exc)})
+                continue
+            kinds = {g["kind"] == "durable" for g in got}
+            source = "durable" if kinds == {True} else "memory" if kinds == {False} else "memory+durable"
+            reply: dict[str, Any] = {"step": chosen, "source": source, "shards": dict(zip(roles, got))}
+            if source != "memory":
+                disk = sorted(r for r, g in zip(roles, got) if g["kind"] == "durable")
+                reply["message"] = f"restoring step {chosen}: {', '.join(disk)} from the durable tier {self.durable.directory} (no intact copy in memory on a live node)"
+            return reply
+        if corrupt:
+            return {"step": None, "source": None, "shards": {}, "corrupt": True, "message": "every copy failed its checksum: " + "; ".join(corrupt)}
+        if not any(have):  # nothing in memory anywhere: a fresh job, one restarted from disk, or one that lost everything
+            had = status.get("committed_step")
+            reason = "" if had is None else (
+                f"job {job!r} committed step {had}, but no role has a copy in memory on a live node (dead nodes: "
+                f"{status.get('dead', [])}); starting it from nothing would silently throw the run away"
             )
             return await self._durable(job, expected, reason, step)
-        chosen = candidates[0]
+        lost = sorted(r for r, h in zip(expected, have) if not h)
+        dead = status.get("dead", [])
+        reason = (
+            f"no step of job {job!r} has every role in memory on a live node (roles without any copy: {lost or 'none'}; "
+            f"dead nodes: {dead}); a node and its ring successor were probably lost together"
+        )
+        return await self._durable(job, expected, reason, step)
 
-        async def here(r: str) -> LocalShard:
-            return self.local(job, r, chosen) or await self._pull(job, r, chosen, [(n, alive[n]) for n in where[r][chosen] if n != self.node_id])
-
-        got = await asyncio.gather(*(here(r) for r in roles))  # the missing ones pulled in parallel
-        return {"step": chosen, "source": "memory", "shards": {r: self._shard_reply(g) for r, g in zip(roles, got)}}
+    async def _copy_of(self, job: str, role: str, step: int, holders: list[str], alive: dict[str, str], on_disk: bool) -> dict[str, Any]:
+        """A copy of ``role``'s shard of ``step`` to restore from: this node's, else one pulled
+        (and verified) from a live holder, else the durable tier's (verified)."""
+        shard = self.local(job, role, step)
+        if shard is not None:
+            return self._shard_reply(shard)  # verified by the restoring worker's ``verify`` call
+        remote = [(n, alive[n]) for n in holders if n != self.node_id]
+        failures = []
+        if remote:
+            try:
+                return self._shard_reply(await self._pull(job, role, step, remote))
+            except _NoIntactCopy as exc:
+                failures.append(str(exc))
+        if on_disk and self.durable.directory is not None:
+            found = await asyncio.to_thread(durable.shard, self.durable.directory, job, role, step)
+            if found is not None:
+                return {**found, "kind": "durable"}
+            self._bad.add((job, role, step, _DURABLE))
+            failures.append(f"the durable copy in {self.durable.directory} failed its checksum")
+        raise _NoIntactCopy(f"{role} step {step}: {'; '.join(failures) or 'no copy left'}")
 
     def _local_steps(self, job: str, role: str) -> list[int]:
         rs = self.slots.roles.get((job, role))
@@ -178,7 +244,7 @@ class StateService:
 
     async def _pull_once(self, job: str, role: str, step: int, holders: list[tuple[str, str]]) -> LocalShard:
         assert self.peers is not None
-        errors = []
+        errors, unreachable = [], False
         for node, base in holders:
             try:
                 r = await self.peers.pull(base, self.replicas, job, role, step, node)
@@ -188,8 +254,14 @@ class StateService:
                 assert shard is not None
                 return shard
             except (PeerError, SlotError) as exc:
-                errors.append(f"{base}: {exc}")
-        raise SlotError(f"cannot fetch {role} step {step} of job {job!r} from any holder ({'; '.join(errors) or 'no live holder'}); retry once the coordinator has noticed the failure", 503)
+                errors.append(f"{node} ({base}): {exc}")
+                if exc.status == 422 or exc.status == 404:  # its copy is corrupt, or gone: never ask it for this one again
+                    self._bad.add((job, role, step, node))
+                else:
+                    unreachable = True
+        if not unreachable:
+            raise _NoIntactCopy(f"no holder has an intact copy ({'; '.join(errors) or 'no live holder'})")
+        raise SlotError(f"cannot fetch {role} step {step} of job {job!r} from any holder ({'; '.join(errors)}); retry once the coordinator has noticed the failure", 503)
 
     async def _durable(self, job: str, roles: set[str], reason: str, step: int | None = None) -> dict[str, Any]:
         """The newest durable step (exactly ``step`` when the ranks agreed on one)."""
@@ -226,5 +298,9 @@ class StateService:
         self._durable_pool.shutdown(wait=False)
 
 
-def _intact(shard: LocalShard) -> bool:
-    return checksum(shard.view()) == shard.checksum
+_DURABLE = "(durable)"  # the durable tier's copy, in ``StateService._bad``
+
+
+class _NoIntactCopy(Exception):
+    """Every copy of a role's shard at one step failed its checksum (or is gone)."""
+

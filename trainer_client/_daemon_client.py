@@ -46,9 +46,9 @@ class DaemonClient:
         """Send a request whose reply the caller reads with ``reply`` before any other call."""
         self._write(msg)
 
-    def replied(self) -> bool:
-        """Whether a reply has arrived (never waits)."""
-        return bool(select.select([self._sock], [], [], 0)[0])
+    def replied(self, wait_s: float = 0.0) -> bool:
+        """Whether a reply has arrived (waiting at most ``wait_s``)."""
+        return bool(select.select([self._sock], [], [], wait_s)[0])
 
     def reply(self, msg: dict[str, Any]) -> dict[str, Any]:
         """The reply to ``msg``, sent with ``post``."""

@@ -120,6 +120,7 @@ class Checkpointer:
         self.durable_dir = Path(durable_dir) if durable_dir else None
         self.on_busy = on_busy
         self.timeout_s = timeout_s
+        self._commit_wait_s = 30.0  # the longest the daemon holds a commit answer for its replica (it says at alloc)
         self.copy_threads = max(1, copy_threads or min(4, os.cpu_count() or 1))
         self._copiers: ThreadPoolExecutor | None = None
         self._client: DaemonClient | None = None
@@ -254,6 +255,7 @@ class Checkpointer:
             except FFPlaneError:
                 pass  # the daemon forgot it anyway (restarted)
         reply = self._call(op="alloc", job=self.job, role=self.role, nbytes=nbytes)
+        self._commit_wait_s = float(reply.get("commit_wait_s", self._commit_wait_s))
         for s in self._slots.values():
             s.close()
         self._slots = {p: _Slot(p) for p in reply["paths"]}
@@ -300,6 +302,12 @@ class Checkpointer:
             return True
         if unsent is None and not block and not (self._client is not None and self._client.replied()):
             return False
+        if unsent is None and block and self._client is not None and not self._client.replied(_SAY_WHY_AFTER_S):
+            log.warning(
+                "save waits for the commit of step %d: the node daemon answers a commit once its ring successor holds the "
+                "replica, for at most %.0f s (the daemon's --replica-wait-s); the daemon's /v1/state 'replication' says why it lags",
+                msg["step"], self._commit_wait_s, extra={"job": self.job, "role": self.role, "step": msg["step"]},
+            )
         self._pending = self._unsent = None
         reply: dict[str, Any] | None
         try:
@@ -390,6 +398,7 @@ class Checkpointer:
         emit("restoring")
         group = _group() if agree else None
         below: int | None = None
+        retries = 0
         while True:
             # Every rank makes the same collective calls whatever happens locally: a rank that
             # fails says so through the reduction, and then every rank raises (no rank is left
@@ -414,32 +423,42 @@ class Checkpointer:
                     "fresh beside restored ranks (is every node's daemon running and reachable?)"
                 )
             step = low  # the ranks' minimum; every rank loads exactly this step
-            status, restored, source = 1, None, ""
+            status, restored, source = _INTACT, None, ""
             try:
                 if found is None or found[0] != step:
                     found = self._restorable(below, step=step)
                     if found is None or found[0] != step:
                         raise NotFoundError(f"the ranks agreed on step {step} but this daemon cannot provide it for role {self.role}")
                 _, source, shards = found
-                # the daemon checks the checksums of the shards we use while we copy them
-                intact = self._pool.submit(self._call, op="verify", job=self.job, step=step, roles=sorted(shards)) if source == "memory" else None
+                # the daemon checks the checksums of the in-memory shards we use while we copy them
+                in_memory = [] if source == "durable" else sorted(r for r, sh in shards.items() if sh.get("kind") != "durable")
+                intact = self._pool.submit(self._call, op="verify", job=self.job, step=step, roles=in_memory) if in_memory else None
                 lineages = {int(sh["header"].get("lineage", 0)) for sh in shards.values()}
                 lineage = min(lineages)
                 restored = self._load(step, source, shards, into, view)
-                status = int(intact is None or bool(intact.result(timeout=self.timeout_s)["intact"]))
+                if intact is not None and not intact.result(timeout=self.timeout_s)["intact"]:
+                    status = _ANOTHER_COPY  # the daemon dropped the corrupt copy; the step may have others
                 if len(lineages) > 1:
-                    status = 0
+                    status = _OLDER
+            except CorruptError as exc:  # no intact copy of some role at this step
+                log.warning("%s", exc, extra={"job": self.job, "role": self.role})
+                status, lineage = _OLDER, 0
             except FFPlaneError as exc:
-                error, status, lineage = exc, -1, 0
+                error, status, lineage = exc, _FAILED, 0
             agreed_status, low, high = _reduce_min(group, [status, lineage, -lineage])
-            if agreed_status < 0:
+            if agreed_status == _FAILED:
                 raise error or FFPlaneError(f"another rank could not restore step {step} of job {self.job!r}; see its log")
-            if agreed_status == 1 and low == -high and restored is not None:
+            if agreed_status == _INTACT and low == -high and restored is not None:
                 self.lineage = _next_lineage(low, step)
                 emit("restored", step=step, source=source)
                 return restored
-            log.warning("step %d failed its checksum on some role, or mixes shards of a run the job rewound from; restoring an older step", step, extra={"job": self.job, "role": self.role})
-            below = step
+            if agreed_status == _ANOTHER_COPY and retries < _MAX_COPIES_PER_STEP:
+                retries += 1
+                log.warning("a copy of step %d failed its checksum and was dropped; trying its other copies", step, extra={"job": self.job, "role": self.role})
+                below = step + 1
+                continue
+            log.warning("step %d has no intact copy of some role, or mixes shards of a run the job rewound from; restoring an older step", step, extra={"job": self.job, "role": self.role})
+            below, retries = step, 0
 
     def _load(self, step: int, source: str, shards: dict[str, Any], into: Any, view: bool) -> Restored:
         me = shards.get(self.role)
@@ -478,6 +497,8 @@ class Checkpointer:
         if reply.get("message"):
             log.warning("%s", reply["message"], extra={"job": self.job, "role": self.role})
         if reply["step"] is None:
+            if reply.get("corrupt"):
+                raise CorruptError(f"job {self.job!r}: {reply['message']}")
             found = self._durable() if self.durable_dir is not None else None  # our own copy, if any
             if found is None and reply.get("message") and below is None:
                 # the job has state, just no consistent step of it: starting fresh would silently
@@ -522,6 +543,12 @@ class Checkpointer:
             self._slots = {}
             with self._lock:
                 self._disconnect()
+
+
+_SAY_WHY_AFTER_S = 1.0  # a save waiting this long for the previous commit logs why
+# A rank's outcome of loading the agreed step; the ranks act on the minimum.
+_FAILED, _OLDER, _ANOTHER_COPY, _INTACT = -1, 0, 1, 2
+_MAX_COPIES_PER_STEP = 8  # each try drops a corrupt copy, so this only bounds a misbehaving daemon
 
 
 def _digest(static: dict[str, Any]) -> str:

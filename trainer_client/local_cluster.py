@@ -74,7 +74,7 @@ def start(
             raise RuntimeError(f"{name} exited with {popen.returncode}:\n{log_path.read_text()}")
         if ready_file.exists():
             ready = json.loads(ready_file.read_text())
-            proc = Proc(popen, f"http://{ready['host']}:{ready['port']}", ready, log_path)
+            proc = Proc(popen, f"http://{ready.get('advertise') or ready['host']}:{ready['port']}", ready, log_path)  # a daemon on 0.0.0.0 is reached where it advertises
             try:
                 urllib.request.urlopen(proc.url + "/v1/health", timeout=2).read()
                 return proc

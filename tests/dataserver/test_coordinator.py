@@ -126,8 +126,8 @@ class _Udp:
         self.sock.settimeout(10)
         self.addr = (c.dataserver.url.split("//")[1].split(":")[0], _nodes(c)["udp_port"])
 
-    def register(self) -> dict[str, Any]:
-        body = {"node_id": self.node_id, "address": "http://10.9.9.9:1", "budget_bytes": 1, "udp": {"session": self.session.hex(), "counter": self.counter, "inv_version": 0}}
+    def register(self, address: str = "http://10.9.9.9:1") -> dict[str, Any]:
+        body = {"node_id": self.node_id, "address": address, "budget_bytes": 1, "udp": {"session": self.session.hex(), "counter": self.counter, "inv_version": 0}}
         r = httpx.post(self.url + "/v1/nodes/heartbeat", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 200, r.text
         return r.json()
@@ -178,13 +178,13 @@ def test_inventory_over_udp_is_decoded_for_status_and_view_events_follow(tmp_pat
         ds = c.start_dataserver()
         a, b = _Udp(c, "a"), _Udp(c, "b")
         view = a.register()
-        b.register()
+        b.register("http://10.9.9.10:1")  # two live members cannot share an address
         inventory = {"job": {"dp0-pp0-tp0": [{"step": 7, "checksum": "0" * 16, "nbytes": 1, "layout_roles": ["dp0-pp0-tp0"]}]}}
         a.sock.sendto(co.encode_beat(a.key, co.KIND_INV, "a", a.session, 5, 5, view["epoch"], view["version"], co.encode_inventory(inventory, [{"pid": 1}])), a.addr)
         a.counter = 5
         status, vflag, _, _, version, events = a.answer()
         # b joined after a's registration answer: a's answer carries that event
-        assert status == co.STATUS_OK and vflag == co.VIEW_EVENTS and json.loads(events) == [["+", "b", "http://10.9.9.9:1"]]
+        assert status == co.STATUS_OK and vflag == co.VIEW_EVENTS and json.loads(events) == [["+", "b", "http://10.9.9.10:1"]]
         s = httpx.get(ds.url + "/v1/jobs/job/status").json()
         assert s["restorable_step"] == 7 and s["members"]["a"]["workers"] == [{"pid": 1}]
         # a beat naming another inventory version than the coordinator holds: resend it
@@ -194,4 +194,4 @@ def test_inventory_over_udp_is_decoded_for_status_and_view_events_follow(tmp_pat
         assert a.answer()[1] == co.VIEW_FULL
         # the encoded whole view is refreshed at most every 0.1 s (consistent with the version it names)
         full = until(lambda: (v := httpx.get(ds.url + "/v1/nodes/view", params={"node_id": "a"}).json())["version"] == version and v)
-        assert full["members"] == {"a": "http://10.9.9.9:1", "b": "http://10.9.9.9:1"} and full["successor"] == "b" and full["dead"] == []
+        assert full["members"] == {"a": "http://10.9.9.9:1", "b": "http://10.9.9.10:1"} and full["successor"] == "b" and full["dead"] == []

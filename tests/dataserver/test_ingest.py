@@ -3,10 +3,14 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from dataserver.catalog import open_dataset
@@ -64,7 +68,8 @@ def test_binary_field_from_jsonl(tmp_path: Path) -> None:
         (['{"tokens": [1, 2]}', "[1, 2]"], r"bad\.jsonl:2: expected a JSON object"),
         (['{"tokens": [1, 2]}', '{"tokens": [1, 2], "x": 1}'], r"bad\.jsonl:2: fields"),
         (['{"tokens": [1, 2]}'] * 5000 + ['{"tokens": [1, 2, 3]}'], r"bad\.jsonl: row 5000: column 'tokens' has 3 values, expected 2"),
-        (['{"tokens": [1, 2]}', '{"tokens": "abc"}'], r"bad\.jsonl: record 2 of the block starting at line 1"),
+        (['{"tokens": [1, 2]}', '{"tokens": "abc"}'], r"bad\.jsonl:2: cannot mix list and non-list"),
+        (['{"a": 1}'] * 5000 + ['{"a": 1}', '{"a": "x"}'], r"bad\.jsonl:5002: Could not convert 'x'"),
     ],
 )
 def test_malformed_records_name_file_and_line_and_write_nothing(tmp_path: Path, lines: list[str], message: str) -> None:
@@ -106,3 +111,55 @@ def test_lmdb_binary_and_fixed_width(tmp_path: Path) -> None:
     assert ds.schema.field("tokens").type == pa.list_(pa.int32(), 8)
     got = ds.take(np.array([39, 2])).column("tokens")
     assert np.array_equal(got.values.to_numpy().reshape(2, 8), rows[[39, 2]])
+
+
+def _ingest_cli(tmp_path: Path, *sources: Path) -> subprocess.CompletedProcess[str]:
+    """The real ``dataserver ingest`` command, in its own process."""
+    out = tmp_path / "new" / "ds"
+    cmd = [sys.executable, "-m", "dataserver", "ingest", *map(str, sources), "--out", str(out), "--no-progress"]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+def _gz_lines(n: int) -> bytes:
+    return gzip.compress("".join(json.dumps({"tokens": [i, i + 1], "id": i}) + "\n" for i in range(n)).encode())
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        # cut short after about half its compressed bytes: the records before the cut are valid
+        ("cut.jsonl.gz", _gz_lines(2000)[:3000], r"cut\.jsonl\.gz:\d+: the gzip data is truncated or corrupt"),
+        ("plain.jsonl.gz", b'{"a": 1}\n{"a": 2}\n', r"plain\.jsonl\.gz:1: the file is not gzip data.*drop the \.gz suffix"),
+        ("big.jsonl", b'{"a": 1, "b": [2]}\n{"a": 1180591620717411303424, "b": [3]}\n',
+         r"big\.jsonl:2: field 'a' holds the integer 1180591620717411303424, outside the 64-bit range.*string"),
+        ("bigtok.jsonl", b'{"t": [1, 2]}\n' * 4100 + b'{"t": [3, -1180591620717411303424]}\n',
+         r"bigtok\.jsonl:4101: field 't\[1\]' holds the integer -1180591620717411303424"),
+        ("empty.jsonl", b"{}\n{}\n{}\n", r"empty\.jsonl:1: the record has no fields.*at least one column"),
+        ("blank.jsonl", b"\n\n", r"blank\.jsonl: no records \(0 samples\)"),
+        ("dup.jsonl", b'{"_sample_index": 7, "a": 1}\n', r"dup\.jsonl:1: field '_sample_index' is reserved.*rename"),
+    ],
+)
+def test_cli_refuses_bad_sources_naming_file_and_line(tmp_path: Path, name: str, content: bytes, message: str) -> None:
+    src = tmp_path / name
+    src.write_bytes(content)
+    run = _ingest_cli(tmp_path, src)
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dataserver ingest: error: "), run.stderr
+    assert re.search(message, lines[0]), lines[0]
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # neither --out nor its parent nor a partial
+
+
+def test_cli_refuses_columnar_sources_with_no_rows_or_a_reserved_column(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"_sample_index": [1, 2], "a": [1, 2]}), tmp_path / "dup.parquet")
+    empty = pa.record_batch([pa.array([], pa.int64())], names=["a"])
+    with pa.ipc.new_file(str(tmp_path / "empty.arrow"), empty.schema) as w:
+        w.write_batch(empty)
+    for src, message in [
+        ("dup.parquet", r"dup\.parquet: row 0: field '_sample_index' is reserved"),
+        ("empty.arrow", r"empty\.arrow: no records \(0 samples\)"),
+    ]:
+        run = _ingest_cli(tmp_path, tmp_path / src)
+        assert run.returncode == 2 and re.search(message, run.stderr), run.stderr
+        assert not (tmp_path / "new").exists()

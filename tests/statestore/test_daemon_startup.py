@@ -20,6 +20,13 @@ def test_refuses_a_budget_the_tmpfs_cannot_hold(shm_root: Path) -> None:
     assert r.returncode == 2
     assert "MiB free" in r.stderr and "--shm-size" in r.stderr
     assert not (shm_root / "daemon.sock").exists()
+    assert list(shm_root.iterdir()) == []  # before: daemon.lock and _index/ stayed behind
+
+
+def test_a_refused_start_on_a_root_it_created_leaves_nothing(shm_root: Path) -> None:
+    fresh = shm_root / "sub" / "root"
+    r = _serve(fresh, "--budget-mb", str((os.statvfs(shm_root).f_bavail * os.statvfs(shm_root).f_frsize >> 20) + 1024))
+    assert r.returncode == 2 and not fresh.exists()
 
 
 def test_one_daemon_per_root(shm_root: Path, start_daemon: Callable[..., Proc]) -> None:

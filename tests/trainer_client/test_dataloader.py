@@ -202,7 +202,7 @@ def test_a_new_generation_replaces_batches_the_node_cached_under_the_old_plan(da
         time.sleep(0.05)
     first.close()
     # an elastic restart from step 3 with another layout
-    r = httpx.post(dataserver.url + "/v1/jobs/j1/generations", json={"start_step": 3, "dp": 3, "batch_per_rank": 5}, headers={"Authorization": f"Bearer {TOKEN}"})
+    r = httpx.post(dataserver.url + "/v1/jobs/j1/generations", json={"start_step": 3, "dp": 3, "batch_per_rank": 5, "replan_served": True}, headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 200, r.text
     plan = Planner(300, 5, [Generation(0, 2, 8), Generation(3, 3, 5)])
     resumed = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=sock, start_step=3, end_step=9)

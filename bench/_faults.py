@@ -1,0 +1,101 @@
+"""Faults injected from outside a running process (root): a server that stops answering while it
+keeps running, and bytes flipped in a file.
+
+``unreachable(pid, port)`` makes a server's TCP port stop answering without stopping the process:
+its heartbeats (outgoing) go on, so the coordinator still sees it alive — the case of a firewall
+that drops inbound traffic, or a peer port bound where nobody can reach it. The listening socket
+and every connection accepted on it are taken from the process (``pidfd_getfd``); the listener
+gets a socket filter that drops every packet (a connect times out, as through a firewall), and
+the accepted connections are shut down. ``heal`` lets packets through again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import struct
+from pathlib import Path
+
+_PIDFD_GETFD = 438  # syscall number on x86-64 and arm64
+_SO_ATTACH_FILTER = 26
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _filter(keep: bool) -> tuple[_Prog, ctypes.Array[ctypes.c_uint8]]:
+    code = (ctypes.c_uint8 * 8).from_buffer_copy(struct.pack("HBBI", 0x06, 0, 0, 0xFFFFFFFF if keep else 0))  # BPF_RET|BPF_K
+    return _Prog(1, ctypes.addressof(code)), code
+
+
+def _sockets(pid: int, port: int) -> dict[str, list[int]]:
+    """The process's TCP sockets on local ``port``: {"listen": [fd], "conn": [fd, ...]}."""
+    states: dict[str, str] = {}
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if path.exists():
+            for line in path.read_text().splitlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == port:
+                    states[f[9]] = "listen" if f[3] == "0A" else "conn"
+    out: dict[str, list[int]] = {"listen": [], "conn": []}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in states:
+            out[states[target[8:-1]]].append(int(fd))
+    return out
+
+
+def _take(pidfd: int, fd: int) -> int:
+    dup = _libc.syscall(_PIDFD_GETFD, pidfd, fd, 0)
+    if dup < 0:
+        raise OSError(ctypes.get_errno(), f"pidfd_getfd of fd {fd} failed (needs root or ptrace rights)")
+    return int(dup)
+
+
+def _set_filter(pid: int, port: int, keep: bool) -> int:
+    pidfd = os.pidfd_open(pid)
+    prog, _code = _filter(keep)
+    found = _sockets(pid, port)
+    try:
+        for fd in found["listen"]:
+            dup = _take(pidfd, fd)
+            try:
+                if _libc.setsockopt(dup, socket.SOL_SOCKET, _SO_ATTACH_FILTER, ctypes.byref(prog), ctypes.sizeof(prog)) != 0:
+                    raise OSError(ctypes.get_errno(), "SO_ATTACH_FILTER failed")
+            finally:
+                os.close(dup)
+        if not keep:
+            for fd in found["conn"]:
+                dup = _take(pidfd, fd)
+                try:
+                    socket.socket(fileno=dup).shutdown(socket.SHUT_RDWR)  # the socket object owns dup now
+                except OSError:
+                    pass
+    finally:
+        os.close(pidfd)
+    return len(found["listen"])
+
+
+def unreachable(pid: int, port: int) -> None:
+    """``pid``'s server on ``port`` stops answering; the process runs on."""
+    if not _set_filter(pid, port, keep=False):
+        raise RuntimeError(f"process {pid} has no listening socket on port {port}")
+
+
+def heal(pid: int, port: int) -> None:
+    """Undo ``unreachable``."""
+    _set_filter(pid, port, keep=True)
+
+
+def flip(path: Path, at: int, n: int = 16) -> None:
+    """Overwrite ``n`` bytes of ``path`` at ``at`` with 0xff (a bit flip the checksum must catch)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(b"\xff" * n)

@@ -1,0 +1,53 @@
+"""The daemon's budget bounds what its node cache holds, at every moment."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dataserver.ingest import IngestConfig, ingest
+from tests._servers import TOKEN, Proc
+from tests.conftest import create_job
+from trainer_client import CapacityError, DataLoader
+
+ROW_INTS = 16384  # 64 KiB a row: a step of 16 rows is 1 MiB
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    """One dataset, ``tokens``, of 256 rows of 64 KiB."""
+    root = tmp_path / "datasets"
+    root.mkdir()
+    rows = np.arange(256 * ROW_INTS, dtype=np.int32).reshape(256, ROW_INTS)
+    pq.write_table(pa.table({"tokens": pa.array(list(rows))}), tmp_path / "big.parquet")
+    ingest(IngestConfig([tmp_path / "big.parquet"], root / "tokens", progress=False))
+    return root
+
+
+def test_the_cache_never_holds_more_than_the_budget(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    create_job(dataserver, dp=1, batch_per_rank=16, max_steps=16)
+    daemon = start_daemon("--budget-mb", "3", "--window", "4")  # the window alone would want 4 MiB, plus 2 kept
+    seen = []
+    for _ in DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock"):
+        time.sleep(0.05)  # prefetch has time to fill what it may
+        seen.append(httpx.get(daemon.url + "/v1/cache").json())
+    assert len(seen) == 16
+    budget = 3 << 20
+    # before: 4-6 MiB cached at once, from the first steps on
+    assert max(c["bytes"] for c in seen) <= budget and seen[-1]["peak_bytes"] <= budget
+    assert seen[-1]["streams"][0]["fetched"] >= 16
+
+
+def test_a_step_larger_than_the_budget_is_a_clear_error(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    create_job(dataserver, dp=1, batch_per_rank=32, max_steps=4)  # 2 MiB steps
+    daemon = start_daemon("--budget-mb", "1")
+    with pytest.raises(CapacityError, match="does not fit in the daemon's budget of 1.0 MiB"):
+        next(iter(DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock")))
+    assert httpx.get(daemon.url + "/v1/cache").json()["bytes"] == 0  # before: 2 MiB cached against 1

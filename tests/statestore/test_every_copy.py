@@ -1,0 +1,113 @@
+"""A restore tries every copy of a step (local slot, replica, durable) before an older step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests._servers import TOKEN, Proc, until
+from trainer_client import Checkpointer, Layout
+from trainer_client.local_cluster import LocalCluster
+
+ROLE = "dp0-pp0-tp0"
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {"w": torch.randn(200, 129, generator=g) + step, "step": step}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path, data_dir, TOKEN) as c:
+        c.start_dataserver()
+        yield c
+
+
+def _start(c: LocalCluster, n: int, *extra: str) -> None:
+    for _ in range(n):
+        c.start_daemon("--gate-chunk-kb", "64", *extra, budget_mb=64)
+    assert c.dataserver is not None
+    until(lambda: len(httpx.get(f"{c.dataserver.url}/v1/nodes").json()["ring"]) == n, what="every daemon in the ring")  # type: ignore[union-attr]
+
+
+def _daemon_state(c: LocalCluster, i: int) -> dict[str, Any]:
+    return httpx.get(c.daemons[i].url + "/v1/state").json()
+
+
+def _known(c: LocalCluster, node: int, step: int) -> bool:
+    """Whether the coordinator has heard that node ``node`` holds ROLE's step ``step``."""
+    assert c.dataserver is not None
+    locations = httpx.get(f"{c.dataserver.url}/v1/jobs/job/status").json()["shard_locations"]
+    return f"n{node}" in locations.get(ROLE, {}).get(str(step), [])
+
+
+def _held_on(c: LocalCluster, node: int, step: int) -> dict[str, Any] | None:
+    """The replica of ROLE at ``step`` that node ``node`` holds."""
+    return next((r for r in _daemon_state(c, node)["replicas"] if r["role"] == ROLE and r["step"] == step and r["kind"] == "replica"), None)
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(b"\xff" * 16)
+
+
+def _save(c: LocalCluster, node: int, steps: range) -> None:
+    ck = Checkpointer("job", Layout(), socket_path=c.socket(node))
+    for step in steps:
+        ck.save(step, _state(step))
+    ck.close()
+
+
+def test_a_corrupt_newest_slot_is_restored_from_the_replica_of_the_same_step(cluster: LocalCluster) -> None:
+    _start(cluster, 2)  # n0 → n1 → n0
+    _save(cluster, 0, range(1, 4))
+    until(lambda: _held_on(cluster, 1, 3) and _known(cluster, 1, 3), what="step 3 replicated to n1, and the coordinator told")
+    slot = next(v for v in _daemon_state(cluster, 0)["roles"][0]["versions"] if v["step"] == 3)
+    _flip(cluster.roots[0] / slot["slot"], slot["nbytes"] // 2)
+
+    got = Checkpointer("job", Layout(), socket_path=cluster.socket(0)).restore()
+    # before: step 2 (the older local version), although n1's copy of step 3 was intact
+    assert got is not None and got.step == 3 and torch.equal(got.state["w"], _state(3)["w"])
+    after = _daemon_state(cluster, 0)
+    assert 3 not in [v["step"] for v in after["roles"][0]["versions"]]  # the corrupt copy is gone
+    assert after["pulled_bytes"] > 0
+
+
+def test_a_corrupt_copy_on_a_peer_gives_way_to_the_older_intact_step_it_holds(cluster: LocalCluster) -> None:
+    _start(cluster, 2)
+    _save(cluster, 0, range(1, 4))
+    until(lambda: _known(cluster, 1, 3) and _known(cluster, 1, 2), what="steps 2 and 3 replicated to n1, and the coordinator told")
+    replica = _held_on(cluster, 1, 3)
+    assert replica is not None
+    _flip(cluster.roots[1] / "job" / "replica" / ROLE / f"{3:012d}.bin", replica["nbytes"] // 3)
+    cluster.lose_node(0)
+    assert cluster.dataserver is not None
+    until(lambda: "n0" in httpx.get(f"{cluster.dataserver.url}/v1/jobs/job/status").json()["dead"], what="n0 declared dead")  # type: ignore[union-attr]
+
+    cluster.start_daemon("--gate-chunk-kb", "64", index=2, budget_mb=64)  # a replacement node
+    # before: every ask pulled step 3 from n1, failed its checksum, and answered 503 until the timeout
+    got = Checkpointer("job", Layout(), socket_path=cluster.socket(2), timeout_s=20).restore()
+    assert got is not None and got.step == 2 and torch.equal(got.state["w"], _state(2)["w"])
+
+
+def test_the_durable_copy_of_the_newest_step_comes_before_an_older_step_in_memory(tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    daemon = start_daemon("--durable-dir", str(tmp_path / "durable"), "--durable-every", "1")
+    ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
+    for step in range(1, 4):
+        ck.save(step, _state(step))
+    ck.close()
+    until(lambda: httpx.get(daemon.url + "/v1/state").json()["durable_written"] == 3, what="three durable copies")
+    newest = httpx.get(daemon.url + "/v1/state").json()["roles"][0]["versions"][0]
+    assert newest["step"] == 3
+    _flip(shm_root / newest["slot"], 0)
+
+    got = Checkpointer("job", socket_path=shm_root / "daemon.sock").restore()
+    # before: step 2 from memory
+    assert got is not None and got.step == 3 and got.source == "durable" and torch.equal(got.state["w"], _state(3)["w"])
