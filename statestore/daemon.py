@@ -213,12 +213,19 @@ _WHY = {
     401: "missing or wrong bearer token",
     404: "no such shard on this node",
     409: "the transfer is not in the state this request needs (not begun, already partly here, replaced meanwhile)",
-    413: "the body, or the replica it announces, is larger than this daemon can keep (--budget-mb)",
+    413: "the body, or the replica it announces, is larger than this daemon can keep (--budget-mb), or has room for now",
     416: "the byte range is outside the shard",
     422: "a parameter or the body is malformed, or a replica's bytes failed their checksum",
     503: "the daemon has no job token configured",
-    507: "no room in the daemon's --budget-mb",
 }
+
+
+def _peer_error(exc: SlotError) -> HTTPException:
+    """A state error as a peer API answer. No room *now* (507 on the control socket, where a
+    local save turns it into CapacityError) is a 413 here: the request is more than this daemon
+    is able to take at the moment, the sender retries later, and no fault of the server is
+    reported as a 5xx."""
+    return HTTPException(413 if exc.status == 507 else exc.status, str(exc))
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -329,7 +336,7 @@ def create_app(daemon: Daemon) -> FastAPI:
             args = (check_name(job), check_name(role), check_step(step), m.nbytes, m.checksum, m.header, m.source)
         except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
             raise HTTPException(422, f"replica metadata needs nbytes, checksum, header and source: {' '.join(str(exc).split())}") from exc
-        if m.nbytes > daemon.config.budget_bytes:  # could never fit: not a 507 (no room *now*)
+        if m.nbytes > daemon.config.budget_bytes:  # could never fit, whatever leaves: say so
             raise HTTPException(
                 413, f"a replica of {m.nbytes / 2**20:.1f} MiB is larger than this daemon's whole budget "
                 f"({daemon.config.budget_bytes / 2**20:.1f} MiB); raise --budget-mb on this node",
@@ -337,11 +344,11 @@ def create_app(daemon: Daemon) -> FastAPI:
         try:
             return daemon.state.replicas.begin(*args)
         except SlotError as exc:
-            raise HTTPException(exc.status, str(exc)) from exc
+            raise _peer_error(exc) from exc
 
     @app.post(
         "/v1/replicas/{job}/{role}/{step}/begin", dependencies=needs_token, response_model=Received,
-        responses=_errors(401, 413, 422, 503, 507), openapi_extra=_JSON_BODY,
+        responses=_errors(401, 413, 422, 503), openapi_extra=_JSON_BODY,
     )
     async def replica_begin(job: JobName, role: RoleName, step: Step, request: Request) -> dict[str, Any]:
         """Start or resume receiving a replica; answers the offset to send from (peer API)."""
@@ -370,11 +377,11 @@ def create_app(daemon: Daemon) -> FastAPI:
         try:
             return {"received": await daemon.state.replicas.receive(job, role, step, offset, request.stream())}
         except SlotError as exc:
-            raise HTTPException(exc.status, str(exc)) from exc
+            raise _peer_error(exc) from exc
 
     @app.put(
         "/v1/replicas/{job}/{role}/{step}/whole", dependencies=needs_token, response_model=WholeReceived,
-        responses=_errors(400, 401, 409, 413, 422, 503, 507), openapi_extra=_BYTES_BODY,
+        responses=_errors(400, 401, 409, 413, 422, 503), openapi_extra=_BYTES_BODY,
     )
     async def replica_whole(job: JobName, role: RoleName, step: Step, request: Request, newest: Newest = None) -> dict[str, Any]:
         """A whole replica in one request: the body is its metadata (a little-endian u32 length,
@@ -396,7 +403,7 @@ def create_app(daemon: Daemon) -> FastAPI:
             received = await replicas.receive(job, role, step, 0, rest)
             r = await replicas.finish(job, role, step, newest)
         except SlotError as exc:
-            raise HTTPException(exc.status, str(exc)) from exc
+            raise _peer_error(exc) from exc
         return {"received": received, "checksum": r.checksum}
 
     @app.post("/v1/replicas/{job}/{role}/{step}/commit", dependencies=needs_token, response_model=Committed, responses=_errors(401, 409, 422, 503))
@@ -407,7 +414,7 @@ def create_app(daemon: Daemon) -> FastAPI:
         try:
             r = await daemon.state.replicas.finish(job, role, step, newest)
         except SlotError as exc:
-            raise HTTPException(exc.status, str(exc)) from exc
+            raise _peer_error(exc) from exc
         return {"ok": True, "checksum": r.checksum}
 
     @app.get("/v1/gate")

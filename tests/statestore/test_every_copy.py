@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import torch
 
-from tests._servers import TOKEN, Proc, until
+from tests._servers import Proc, until
+from tests.statestore.conftest import daemon_state, start_ring
 from trainer_client import Checkpointer, Layout
 from trainer_client.local_cluster import LocalCluster
 
@@ -22,24 +22,6 @@ def _state(step: int) -> dict[str, Any]:
     return {"w": torch.randn(200, 129, generator=g) + step, "step": step}
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path, data_dir, TOKEN) as c:
-        c.start_dataserver()
-        yield c
-
-
-def _start(c: LocalCluster, n: int, *extra: str) -> None:
-    for _ in range(n):
-        c.start_daemon("--gate-chunk-kb", "64", *extra, budget_mb=64)
-    assert c.dataserver is not None
-    until(lambda: len(httpx.get(f"{c.dataserver.url}/v1/nodes").json()["ring"]) == n, what="every daemon in the ring")  # type: ignore[union-attr]
-
-
-def _daemon_state(c: LocalCluster, i: int) -> dict[str, Any]:
-    return httpx.get(c.daemons[i].url + "/v1/state").json()
-
-
 def _known(c: LocalCluster, node: int, step: int) -> bool:
     """Whether the coordinator has heard that node ``node`` holds ROLE's step ``step``."""
     assert c.dataserver is not None
@@ -49,7 +31,7 @@ def _known(c: LocalCluster, node: int, step: int) -> bool:
 
 def _held_on(c: LocalCluster, node: int, step: int) -> dict[str, Any] | None:
     """The replica of ROLE at ``step`` that node ``node`` holds."""
-    return next((r for r in _daemon_state(c, node)["replicas"] if r["role"] == ROLE and r["step"] == step and r["kind"] == "replica"), None)
+    return next((r for r in daemon_state(c, node)["replicas"] if r["role"] == ROLE and r["step"] == step and r["kind"] == "replica"), None)
 
 
 def _flip(path: Path, at: int) -> None:
@@ -66,22 +48,22 @@ def _save(c: LocalCluster, node: int, steps: range) -> None:
 
 
 def test_a_corrupt_newest_slot_is_restored_from_the_replica_of_the_same_step(cluster: LocalCluster) -> None:
-    _start(cluster, 2)  # n0 → n1 → n0
+    start_ring(cluster, 2)  # n0 → n1 → n0
     _save(cluster, 0, range(1, 4))
     until(lambda: _held_on(cluster, 1, 3) and _known(cluster, 1, 3), what="step 3 replicated to n1, and the coordinator told")
-    slot = next(v for v in _daemon_state(cluster, 0)["roles"][0]["versions"] if v["step"] == 3)
+    slot = next(v for v in daemon_state(cluster, 0)["roles"][0]["versions"] if v["step"] == 3)
     _flip(cluster.roots[0] / slot["slot"], slot["nbytes"] // 2)
 
     got = Checkpointer("job", Layout(), socket_path=cluster.socket(0)).restore()
     # before: step 2 (the older local version), although n1's copy of step 3 was intact
     assert got is not None and got.step == 3 and torch.equal(got.state["w"], _state(3)["w"])
-    after = _daemon_state(cluster, 0)
+    after = daemon_state(cluster, 0)
     assert 3 not in [v["step"] for v in after["roles"][0]["versions"]]  # the corrupt copy is gone
     assert after["pulled_bytes"] > 0
 
 
 def test_a_corrupt_copy_on_a_peer_gives_way_to_the_older_intact_step_it_holds(cluster: LocalCluster) -> None:
-    _start(cluster, 2)
+    start_ring(cluster, 2)
     _save(cluster, 0, range(1, 4))
     until(lambda: _known(cluster, 1, 3) and _known(cluster, 1, 2), what="steps 2 and 3 replicated to n1, and the coordinator told")
     replica = _held_on(cluster, 1, 3)

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import torch
 
 from tests._servers import TOKEN, Proc, until
+from tests.statestore.conftest import daemon_state, start_ring
 from trainer_client import Checkpointer, Layout
 from trainer_client.local_cluster import LocalCluster
 
@@ -26,26 +26,9 @@ def _state(step: int, role: int) -> dict[str, Any]:
     return {"w": torch.randn(300, 257, generator=g) + step, "step": step}  # ~300 KiB: several chunks
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path, data_dir, TOKEN) as c:
-        c.start_dataserver()
-        yield c
-
-
-def _start(c: LocalCluster, n: int, *extra: str) -> None:
-    for _ in range(n):
-        c.start_daemon("--gate-chunk-kb", "64", *extra, budget_mb=64)
-    until(lambda: len(_status(c)["ring"]) == len(c.roots), what="every daemon in the ring")
-
-
 def _status(c: LocalCluster, job: str = "job") -> dict[str, Any]:
     assert c.dataserver is not None
     return httpx.get(f"{c.dataserver.url}/v1/jobs/{job}/status").json()
-
-
-def _daemon_state(c: LocalCluster, i: int) -> dict[str, Any]:
-    return httpx.get(c.daemons[i].url + "/v1/state").json()
 
 
 def _save(c: LocalCluster, node: int, role: int, steps: range, dp: int = 1) -> None:
@@ -62,15 +45,15 @@ def _held(c: LocalCluster, role: str, step: int) -> list[str]:
 
 
 def test_commits_reach_the_successor_verified_and_follow_a_node_loss(cluster: LocalCluster) -> None:
-    _start(cluster, 3)  # ring n0 → n1 → n2 → n0
+    start_ring(cluster, 3)  # ring n0 → n1 → n2 → n0
     _save(cluster, 0, 0, range(1, 4))
     role = "dp0-pp0-tp0"
     until(lambda: _held(cluster, role, 3) == _held(cluster, role, 2) == ["n0", "n1"], what="steps 2, 3 on the primary and the successor")
-    primary = _daemon_state(cluster, 0)["roles"][0]["versions"]
+    primary = daemon_state(cluster, 0)["roles"][0]["versions"]
     newest_two = {(v["step"], v["checksum"]) for v in primary[:2]}
     # the newest two, same bytes (pushes may land in any order; a late older one may linger)
-    until(lambda: newest_two <= {(r["step"], r.get("checksum")) for r in _daemon_state(cluster, 1)["replicas"]}, what="the replicas on n1")
-    sent = _daemon_state(cluster, 0)["replication"]
+    until(lambda: newest_two <= {(r["step"], r.get("checksum")) for r in daemon_state(cluster, 1)["replicas"]}, what="the replicas on n1")
+    sent = daemon_state(cluster, 0)["replication"]
     assert sent["roles"]["job/dp0-pp0-tp0"] == {"committed": 3, "replicated": 3, "to": "n1"}
     assert sent["pushes_in_one_request"] >= 2 and sent["pushes_resumed"] == 0  # no begin/commit round trips
 
@@ -82,7 +65,7 @@ def test_commits_reach_the_successor_verified_and_follow_a_node_loss(cluster: Lo
     cluster.start_daemon("--gate-chunk-kb", "64", index=3, budget_mb=64)  # a replacement node, empty
     got = Checkpointer("job", socket_path=cluster.socket(3)).restore()
     assert got is not None and got.step == 3 and torch.equal(got.state["w"], _state(3, 0)["w"])
-    pulled = _daemon_state(cluster, 3)
+    pulled = daemon_state(cluster, 3)
     assert pulled["pulled_bytes"] > 0 and {r["kind"] for r in pulled["replicas"]} == {"pulled"}
 
 
@@ -90,15 +73,15 @@ def test_a_ring_change_elsewhere_resends_nothing_the_successor_holds(cluster: Lo
     """A node joining between others changes every daemon's ring; a predecessor whose successor
     stayed the same asks it before sending its newest versions again (it used to send each whole
     body only to hear "already here" — and a late ring view at start-up did the same)."""
-    _start(cluster, 2)  # n0 → n1 → n0
+    start_ring(cluster, 2)  # n0 → n1 → n0
     _save(cluster, 0, 0, range(1, 4))
     until(lambda: _replicated(cluster, 0)["replicated"] == 3, what="step 3 on n1")
-    before = _daemon_state(cluster, 0)["replication"]
+    before = daemon_state(cluster, 0)["replication"]
     gate = httpx.get(cluster.daemons[0].url + "/v1/gate").json()["bytes_by_priority"]
     cluster.start_daemon("--gate-chunk-kb", "64", budget_mb=64)  # n0 → n1 → n2 → n0
 
     def sent_again() -> dict[str, Any] | None:
-        r = _daemon_state(cluster, 0)["replication"]
+        r = daemon_state(cluster, 0)["replication"]
         return r if r["pushes"] >= before["pushes"] + 2 and r["pending"] == 0 else None
 
     sent = until(sent_again, what="n0's newest two versions sent to n1 again")
@@ -107,7 +90,7 @@ def test_a_ring_change_elsewhere_resends_nothing_the_successor_holds(cluster: Lo
 
 
 def test_restore_gathers_razored_pieces_of_dp_peers_from_other_nodes(cluster: LocalCluster) -> None:
-    _start(cluster, 3)
+    start_ring(cluster, 3)
     _save(cluster, 0, 0, range(5, 7), dp=2)  # rank 0 saves on n0, rank 1 on n1
     _save(cluster, 1, 1, range(5, 7), dp=2)
     until(lambda: _status(cluster)["restorable_step"] == 6)
@@ -119,7 +102,7 @@ def test_restore_gathers_razored_pieces_of_dp_peers_from_other_nodes(cluster: Lo
 
 
 def test_a_push_resumes_and_counts_only_once_verified(cluster: LocalCluster) -> None:
-    _start(cluster, 1)
+    start_ring(cluster, 1)
     url = cluster.daemons[0].url + "/v1/replicas/job/dpX/7"
     data = bytes(range(256)) * 1024
     import xxhash
@@ -136,11 +119,11 @@ def test_a_push_resumes_and_counts_only_once_verified(cluster: LocalCluster) -> 
     assert httpx.put(url, params={"offset": 100_000}, content=b"\0" * (len(data) - 100_000), headers=AUTH).status_code == 200
     bad = httpx.post(url + "/commit", headers=AUTH)
     assert bad.status_code == 422 and "checksum" in bad.text  # corrupt in transit: discarded
-    assert _daemon_state(cluster, 0)["replicas"] == []
+    assert daemon_state(cluster, 0)["replicas"] == []
     assert httpx.post(url + "/begin", json=meta, headers=AUTH).json() == {"received": 0}
     assert httpx.put(url, params={"offset": 0}, content=data, headers=AUTH).status_code == 200
     assert httpx.post(url + "/commit", headers=AUTH).json()["ok"]
-    assert [(r["step"], r["kind"]) for r in _daemon_state(cluster, 0)["replicas"]] == [(7, "replica")]
+    assert [(r["step"], r["kind"]) for r in daemon_state(cluster, 0)["replicas"]] == [(7, "replica")]
     assert httpx.get(cluster.daemons[0].url + "/v1/state/job/dpX/7/shard", params={"offset": 256, "length": 4}, headers=AUTH).content == bytes(range(4))
 
 
@@ -149,14 +132,14 @@ def test_a_whole_push_is_one_request_and_a_cut_one_resumes_through_begin(cluster
 
     from statestore.replication import meta_prefix
 
-    _start(cluster, 1)
+    start_ring(cluster, 1)
     base = cluster.daemons[0].url + "/v1/replicas/job/dpX"
     data = bytes(range(256)) * 1024
     meta = {"nbytes": len(data), "checksum": xxhash.xxh3_64_hexdigest(data), "header": {"layout_roles": ["dpX"]}, "source": "elsewhere"}
     assert httpx.put(base + "/7/whole", content=meta_prefix(meta) + data).status_code == 401
     whole = httpx.put(base + "/7/whole", content=meta_prefix(meta) + data, headers=AUTH)
     assert whole.json() == {"received": len(data), "checksum": meta["checksum"]}  # received, verified, committed
-    assert [(r["step"], r["kind"]) for r in _daemon_state(cluster, 0)["replicas"]] == [(7, "replica")]
+    assert [(r["step"], r["kind"]) for r in daemon_state(cluster, 0)["replicas"]] == [(7, "replica")]
     # cut off after 100 kB: nothing counts, what arrived stays, and the next try resumes there
     cut = httpx.put(base + "/8/whole", content=meta_prefix(meta) + data[:100_000], headers=AUTH)
     assert cut.status_code == 409 and "only 100000" in cut.text
@@ -165,17 +148,17 @@ def test_a_whole_push_is_one_request_and_a_cut_one_resumes_through_begin(cluster
     assert httpx.post(base + "/8/begin", json=meta, headers=AUTH).json() == {"received": 100_000}
     assert httpx.put(base + "/8", params={"offset": 100_000}, content=data[100_000:], headers=AUTH).status_code == 200
     assert httpx.post(base + "/8/commit", headers=AUTH).json()["ok"]
-    assert sorted(r["step"] for r in _daemon_state(cluster, 0)["replicas"]) == [7, 8]
+    assert sorted(r["step"] for r in daemon_state(cluster, 0)["replicas"]) == [7, 8]
     # a body that does not start with its metadata changes nothing
     for junk in (b"", b"\x05\x00", b"\x03\x00\x00\x00[1]" + data):
         bad = httpx.put(base + "/9/whole", content=junk, headers=AUTH)
         assert bad.status_code == 422 and "metadata" in bad.text
-    assert sorted(r["step"] for r in _daemon_state(cluster, 0)["replicas"]) == [7, 8]
+    assert sorted(r["step"] for r in daemon_state(cluster, 0)["replicas"]) == [7, 8]
 
 
 def test_losing_a_node_and_its_successor_falls_back_to_the_durable_tier(cluster: LocalCluster, tmp_path: Path) -> None:
     durable = ("--durable-dir", str(tmp_path / "durable"), "--durable-every", "1")
-    _start(cluster, 4, *durable)  # ring n0 → n1 → n2 → n3
+    start_ring(cluster, 4, *durable)  # ring n0 → n1 → n2 → n3
     for node in range(4):
         _save(cluster, node, node, range(1, 3), dp=4)
     # on its final successor (a node that started early may first have pushed to another)
@@ -216,14 +199,14 @@ def _stopped(proc: Proc) -> Iterator[Callable[[float], threading.Timer]]:
 
 
 def _replicated(c: LocalCluster, node: int, role: str = "dp0-pp0-tp0") -> dict[str, Any]:
-    return _daemon_state(c, node)["replication"]["roles"][f"job/{role}"]
+    return daemon_state(c, node)["replication"]["roles"][f"job/{role}"]
 
 
 def test_a_restarted_coordinator_keeps_commits_waiting_for_their_replica(cluster: LocalCluster) -> None:
     """A restarted data server's first ring views hold only the nodes that have beaten since;
     a commit made then must still wait until the successor holds it (found by the soak: n19
     committed unreplicated steps in that second and was lost)."""
-    _start(cluster, 2)  # n0 → n1 → n0
+    start_ring(cluster, 2)  # n0 → n1 → n0
     _save(cluster, 0, 0, range(1, 3))
     until(lambda: _replicated(cluster, 0)["replicated"] == 2, what="step 2 on n1")
     assert cluster.dataserver is not None
@@ -237,19 +220,19 @@ def test_a_restarted_coordinator_keeps_commits_waiting_for_their_replica(cluster
         # answered only once the successor held it: it was never without one
         assert _replicated(cluster, 0) == {"committed": 3, "replicated": 3, "to": "n1"}
     until(lambda: _status(cluster)["ring"] == ["n0", "n1"], what="n1 back in the ring")
-    assert _daemon_state(cluster, 0)["replication"]["commit_wait_timeouts"] == 0
+    assert daemon_state(cluster, 0)["replication"]["commit_wait_timeouts"] == 0
 
 
 def test_a_commit_waits_while_its_successor_is_briefly_declared_dead(cluster: LocalCluster) -> None:
     """A live node declared dead for a moment (silent past the coordinator's limit, then back)
     leaves its predecessor alone in the ring; commits made then wait for it to return (the
     soak lost a node right after such a moment: its commits had no copy anywhere else)."""
-    _start(cluster, 2)
+    start_ring(cluster, 2)
     _save(cluster, 0, 0, range(1, 3))
     until(lambda: _replicated(cluster, 0)["replicated"] == 2, what="step 2 on n1")
     with _stopped(cluster.daemons[1]) as resume_after:
         until(lambda: "n1" in _status(cluster)["dead"], what="n1 declared dead")
-        until(lambda: _daemon_state(cluster, 0)["coordinator"]["successor"] is None, what="n0 alone in its ring")
+        until(lambda: daemon_state(cluster, 0)["coordinator"]["successor"] is None, what="n0 alone in its ring")
         resume_after(0.5)
         _save(cluster, 0, 0, range(3, 4))
         assert _replicated(cluster, 0) == {"committed": 3, "replicated": 3, "to": "n1"}
