@@ -129,10 +129,29 @@ class Soak(LocalJobs):
             proc = self.cluster.daemons[self._daemon_slot(d)]
             port = int(proc.ready["port"])  # type: ignore[call-overload]
             _faults.unreachable(proc.pid, port)  # it keeps beating: only its peers cannot reach it
-            self._heal.append(lambda: _faults.heal(proc.pid, port) if proc.popen.poll() is None else None)
+            self._heal.append(lambda: self._reachable_again(d, proc, port))
         else:
             raise ValueError(f"unknown failure kind {kind!r}; choose from {KINDS}")
         return hit
+
+    def _reachable_again(self, d: int, proc: Any, port: int) -> None:
+        """Let the daemon's port answer again; if it still does not (it should), restart it."""
+        import urllib.request
+
+        if proc.popen.poll() is not None:
+            return
+        _faults.heal(proc.pid, port)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(proc.url + "/v1/health", timeout=1).read()
+                return
+            except OSError:
+                time.sleep(0.2)
+        print(f"  n{d}'s port did not answer after the heal: restarting its daemon", flush=True)
+        self.records[-1]["healed_by_restart"] = True
+        proc.kill()
+        self.cluster.start_daemon(index=d, budget_mb=512)
 
     def _corrupt_and_kill(self, pos: int, nodes: list[TorchrunNode]) -> float:
         """Flip bytes in the newest committed slot of a role on the node (and, half the time, in

@@ -14,20 +14,19 @@ from typing import IO, Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
-
-from dataserver.httpserver import BearerAuth
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from dataserver.httpserver import BearerAuth
 from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.control import ControlServer
-from statestore.names import NAME_PATTERN, check_name, check_step
-from statestore.heartbeat import Heartbeat
 from statestore.data_cache import DataCache
+from statestore.heartbeat import Heartbeat
 from statestore.index import Index
-from statestore.metrics import registry_for
 from statestore.link_gate import LinkGate
+from statestore.metrics import registry_for
+from statestore.names import NAME_PATTERN, check_name, check_step
 from statestore.rebuild import QUARANTINE, Rebuilt, rebuild, set_aside
 from statestore.replicas import ReplicaStore
 from statestore.replication import LocalShard, Replicator, _Peers, read_meta_prefix

@@ -318,7 +318,14 @@ class _Beats:
     def _publish(self) -> None:
         ring = sorted(self.members)
         me = self.hb.config.node_id
-        succ = ring[(ring.index(me) + 1) % len(ring)] if me in self.members and len(ring) >= 2 else None
+        if me in self.members:
+            succ = ring[(ring.index(me) + 1) % len(ring)] if len(ring) >= 2 else None
+        else:
+            # Out of the ring while beating: the coordinator found this node's peer port
+            # unreachable. Its own commits still go out, to where it would be in the ring: a node
+            # that cannot be reached and is then lost must not take its newest state with it.
+            after = [n for n in ring if n > me]
+            succ = (after or ring or [None])[0]
         self.hb.view = {
             "ring": ring,
             "successor": succ,

@@ -431,6 +431,7 @@ class Replicator:
                     elif succ is not None:
                         self._alone_since = None
                 self.successor, self._ring = succ, ring
+                self._down_since = None  # a new ring: a successor's earlier silence no longer counts
                 if succ is not None:
                     self._ring_changed(view)
             if succ is None or not addr or not self._pending:

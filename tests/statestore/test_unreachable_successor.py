@@ -55,5 +55,12 @@ def test_saves_go_on_replicated_past_a_successor_that_stops_answering(cluster: L
     assert "n1" not in nodes["ring"] and nodes["members"]["n1"]["unreachable"] is True
     assert any("waits for the commit of step" in r.getMessage() and "--replica-wait-s" in r.getMessage() for r in caplog.records)
 
+    # n1's own commits still go out, to n2: a node nobody reaches that is then lost keeps its state
+    other = Checkpointer("job2", socket_path=cluster.socket(1))
+    other.save(1, state)
+    other.close()
+    held = lambda: httpx.get(f"{cluster.dataserver.url}/v1/jobs/job2/status").json()["shard_locations"]  # type: ignore[union-attr]
+    until(lambda: "n2" in held().get("dp0-pp0-tp0", {}).get("1", []), what="n1's commit replicated to n2 while n1 is out of the ring")
+
     _faults.heal(n1.pid, int(n1.ready["port"]))  # type: ignore[call-overload]
     until(lambda: "n1" in httpx.get(f"{cluster.dataserver.url}/v1/nodes").json()["ring"], what="n1 back in the ring once it answers")  # type: ignore[union-attr]
