@@ -325,7 +325,7 @@ class _Beats:
             # unreachable. Its own commits still go out, to where it would be in the ring: a node
             # that cannot be reached and is then lost must not take its newest state with it.
             after = [n for n in ring if n > me]
-            succ = (after or ring or [None])[0]
+            succ = (after or ring)[0] if ring else None
         self.hb.view = {
             "ring": ring,
             "successor": succ,
