@@ -154,9 +154,12 @@ class Soak(LocalJobs):
         self.cluster.start_daemon(index=d, budget_mb=512)
 
     def _corrupt_and_kill(self, pos: int, nodes: list[TorchrunNode]) -> float:
-        """Flip bytes in the newest committed slot of a role on the node (and, half the time, in
-        its replica on the other node too), then SIGKILL a worker: the restore that follows meets
-        the damage. The node is frozen meanwhile, so the damaged version stays the newest."""
+        """Flip bytes in one copy of the newest committed version of a role on the node — its
+        slot, or half the time its replica on the other node — then SIGKILL a worker: the restore
+        that follows meets the damage. The node is frozen meanwhile, so the damaged version stays
+        the newest. One copy: corrupting every copy of a step is a second, independent fault (an
+        earlier run that did it half the time lost 2 steps where a worker had just finished the
+        next all-reduce)."""
         d = self.placement[pos]
         victim = self.worker_pid(f"n{d}", time.time() - 30, JOB)
         frozen = [nodes[pos].popen.pid, *descendants(nodes[pos].popen.pid)]  # type: ignore[union-attr]
@@ -167,12 +170,11 @@ class Soak(LocalJobs):
             roles = [r for r in self.get(daemon.url + "/v1/state")["roles"] if r["job"] == JOB and r["versions"]]
             role = self.rng.choice(roles)
             newest = role["versions"][0]
-            _faults.flip(self.cluster.roots[d] / newest["slot"], newest["nbytes"] // 2)
-            if self.rng.random() < 0.5:  # every copy of that step: the job falls back one step
-                other = self.placement[1 - pos]
-                rel = Path(JOB) / "replica" / role["role"] / f"{newest['step']:012d}.bin"
-                if (self.cluster.roots[other] / rel).exists():
-                    _faults.flip(self.cluster.roots[other] / rel, newest["nbytes"] // 3)
+            replica = self.cluster.roots[self.placement[1 - pos]] / JOB / "replica" / role["role"] / f"{newest['step']:012d}.bin"
+            if self.rng.random() < 0.5 and replica.exists():
+                _faults.flip(replica, newest["nbytes"] // 3)
+            else:
+                _faults.flip(self.cluster.roots[d] / newest["slot"], newest["nbytes"] // 2)
             hit = time.time()
             os.kill(victim, signal.SIGKILL)
         finally:
@@ -306,7 +308,7 @@ class Soak(LocalJobs):
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--failures", type=int, default=200)
-    ap.add_argument("--steps", type=int, default=0, help="job length (default: 11 per failure + 60)")
+    ap.add_argument("--steps", type=int, default=0, help="job length (default: 16 per failure + 60)")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
@@ -317,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(kinds) - set(KINDS)
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)}; choose from {','.join(KINDS)}")
-    steps = args.steps or 11 * args.failures + 60
+    steps = args.steps or 16 * args.failures + 60  # 12.6 steps per failure in a 174-failure run of all eight kinds
     work = Path(tempfile.mkdtemp(prefix="ffplane-soak-"))
     soak = Soak(work, steps, args.seed)
     ok = False
