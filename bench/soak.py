@@ -134,6 +134,27 @@ class Soak(LocalJobs):
             raise ValueError(f"unknown failure kind {kind!r}; choose from {KINDS}")
         return hit
 
+    def _until_redundant(self, timeout_s: float = 60) -> None:
+        """Wait until both nodes replicate to each other again and trail by at most a commit.
+        Two nodes are a ring of two: while one cannot be reached, the other's commits have no
+        copy anywhere else (answered after a short wait, by design), and losing it then is a
+        double fault no one-replica scheme survives. The soak injects one failure at a time:
+        the next only once the previous one's redundancy is back."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                states = [self.get(self.cluster.daemons[self._daemon_slot(d)].url + "/v1/state")["replication"] for d in self.placement]
+            except (OSError, RuntimeError, ValueError):
+                states = []
+            lags = [
+                r["committed"] - r["replicated"] if r["replicated"] is not None else None
+                for st in states if st and st["successor"] is not None for key, r in st["roles"].items() if key.startswith(f"{JOB}/")
+            ]
+            if len(states) == len(self.placement) and all(st and st["successor"] for st in states) and lags and all(lag is not None and lag <= 1 for lag in lags):
+                return
+            time.sleep(0.2)
+        print("  redundancy not back within 60 s; injecting anyway", flush=True)
+
     def _reachable_again(self, d: int, proc: Any, port: int) -> None:
         """Let the daemon's port answer again; if it still does not (it should), restart it."""
         import urllib.request
@@ -155,7 +176,8 @@ class Soak(LocalJobs):
 
     def _corrupt_and_kill(self, pos: int, nodes: list[TorchrunNode]) -> float:
         """Flip bytes in one copy of the newest committed version of a role on the node — its
-        slot, or half the time its replica on the other node — then SIGKILL a worker: the restore
+        slot, or half the time its replica on the other node (none if that has not landed
+        yet) — then SIGKILL a worker: the restore
         that follows meets the damage. The node is frozen meanwhile, so the damaged version stays
         the newest. One copy: corrupting every copy of a step is a second, independent fault (an
         earlier run that did it half the time lost 2 steps where a worker had just finished the
@@ -171,10 +193,13 @@ class Soak(LocalJobs):
             role = self.rng.choice(roles)
             newest = role["versions"][0]
             replica = self.cluster.roots[self.placement[1 - pos]] / JOB / "replica" / role["role"] / f"{newest['step']:012d}.bin"
-            if self.rng.random() < 0.5 and replica.exists():
-                _faults.flip(replica, newest["nbytes"] // 3)
-            else:
-                _faults.flip(self.cluster.roots[d] / newest["slot"], newest["nbytes"] // 2)
+            # one copy of two: a version whose replica has not landed yet (its commit is still
+            # unanswered) has one copy only, and damaging it is the second fault described above
+            if replica.exists():
+                if self.rng.random() < 0.5:
+                    _faults.flip(replica, newest["nbytes"] // 3)
+                else:
+                    _faults.flip(self.cluster.roots[d] / newest["slot"], newest["nbytes"] // 2)
             hit = time.time()
             os.kill(victim, signal.SIGKILL)
         finally:
@@ -219,6 +244,7 @@ class Soak(LocalJobs):
             if saved_before >= self.steps - 3:
                 print(f"  the job is nearly done after {i} failures: raise --steps", flush=True)
                 break
+            self._until_redundant()
             failed_at = self.inject(kind, nodes)
             recovered = self.progressed(nodes, saved_before + 1, failed_at, timeout_s=self.recovery_timeout_s)
             restored = [e for e in self.events(JOB) if e["kind"] == "restored" and e["t"] >= failed_at]
@@ -308,7 +334,7 @@ class Soak(LocalJobs):
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--failures", type=int, default=200)
-    ap.add_argument("--steps", type=int, default=0, help="job length (default: 16 per failure + 60)")
+    ap.add_argument("--steps", type=int, default=0, help="job length (default: 21 per failure + 60)")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
@@ -319,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(kinds) - set(KINDS)
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)}; choose from {','.join(KINDS)}")
-    steps = args.steps or 16 * args.failures + 60  # 12.6 steps per failure in a 174-failure run of all eight kinds
+    steps = args.steps or 21 * args.failures + 60  # 16.7 steps per failure in a 192-failure run of all eight kinds, redundancy awaited between failures
     work = Path(tempfile.mkdtemp(prefix="ffplane-soak-"))
     soak = Soak(work, steps, args.seed)
     ok = False
