@@ -198,9 +198,8 @@ class SlotStore:
         stale = [s for s, v in rs.versions.items() if v.path == slot]
         for s in stale:  # the version this slot held is about to be overwritten
             del rs.versions[s]
-        if stale:
+        if stale:  # its sidecar stays until the commit replaces it: a rebuild adopts only the three newest
             self.index.delete(*(version_key(job, role, s) for s in stale))
-            remove_sidecar(self.root / slot)
         rs.writing[slot] = step
         return slot
 

@@ -92,22 +92,32 @@ def shm_root() -> Iterator[Path]:
 
 
 
-@pytest.fixture
-def start_daemon(tmp_path: Path, dataserver: Proc, shm_root: Path) -> Iterator[Callable[..., Proc]]:
-    """Start (and, by calling again, restart) the node daemon on ``shm_root``; stopped at the end."""
+@contextmanager
+def launcher(tmp_path: Path, module: str) -> Iterator[Callable[[list[str], str], Proc]]:
+    """``launch(args, name)`` starts ``python -m module args`` (logs in ``tmp_path``); every
+    process it started is killed on the way out, even on failure."""
     procs: list[Proc] = []
 
-    def _start(*extra: str, root: Path = shm_root, name: str = "daemon") -> Proc:
-        args = ["serve", "--dataserver", dataserver.url, "--root", str(root), "--port", "0", "--budget-mb", "256", *extra]
-        proc = start("statestore", args, tmp_path, f"{name}{len(procs)}")
-        procs.append(proc)
-        return proc
+    def launch(args: list[str], name: str) -> Proc:
+        procs.append(start(module, args, tmp_path, f"{name}{len(procs)}"))
+        return procs[-1]
 
     try:
-        yield _start
+        yield launch
     finally:
         for p in procs:
             p.kill()
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path, dataserver: Proc, shm_root: Path) -> Iterator[Callable[..., Proc]]:
+    """Start (and, by calling again, restart) the node daemon on ``shm_root``; stopped at the end."""
+    with launcher(tmp_path, "statestore") as launch:
+
+        def _start(*extra: str, root: Path = shm_root, name: str = "daemon") -> Proc:
+            return launch(["serve", "--dataserver", dataserver.url, "--root", str(root), "--port", "0", "--budget-mb", "256", *extra], name)
+
+        yield _start
 
 
 @contextmanager
@@ -140,4 +150,4 @@ def create_job(ds: Proc, **overrides: object) -> dict[str, object]:
     return result
 
 
-__all__ = ["SEQ_LEN", "TOKEN", "cluster_in", "create_job", "write_image_arrow", "write_lmdb", "write_token_parquet"]
+__all__ = ["SEQ_LEN", "TOKEN", "cluster_in", "create_job", "launcher", "write_image_arrow", "write_lmdb", "write_token_parquet"]

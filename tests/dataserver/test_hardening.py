@@ -16,7 +16,8 @@ import pytest
 
 from dataserver import Generation, Planner
 from dataserver.catalog import SAMPLE_INDEX_COLUMN
-from tests._servers import TOKEN, Proc, start, until
+from tests._servers import TOKEN, Proc, until
+from tests.conftest import launcher
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JOB = {"name": "j1", "dataset": "tokens", "dp": 2, "batch_per_rank": 8, "seed": 5, "max_steps": 100}
@@ -25,19 +26,8 @@ JOB = {"name": "j1", "dataset": "tokens", "dp": 2, "batch_per_rank": 8, "seed": 
 @pytest.fixture
 def serve(tmp_path: Path, data_dir: Path) -> Iterator[Callable[..., Proc]]:
     """Start a data server with extra flags (state in ``tmp_path/state``); all stopped at the end."""
-    procs: list[Proc] = []
-
-    def _serve(*extra: str) -> Proc:
-        args = ["serve", "--data-dir", str(data_dir), "--state-dir", str(tmp_path / "state"), "--port", "0", *extra]
-        proc = start("dataserver", args, tmp_path, f"dataserver{len(procs)}")
-        procs.append(proc)
-        return proc
-
-    try:
-        yield _serve
-    finally:
-        for p in procs:
-            p.stop()
+    with launcher(tmp_path, "dataserver") as launch:
+        yield lambda *extra: launch(["serve", "--data-dir", str(data_dir), "--state-dir", str(tmp_path / "state"), "--port", "0", *extra], "dataserver")
 
 
 def _beat(url: str, node_id: str, address: str, **extra: Any) -> httpx.Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -71,9 +72,12 @@ def test_listening_on_loopback_while_the_data_server_is_on_another_host_is_refus
     node = hosts.net.nodes[1]
     root = Path("/dev/shm") / f"ffplane-test-adv-{node.addr}"
     cmd = node.exec_argv([sys.executable, "-m", "statestore", "serve", "--dataserver", hosts.dataserver.url, "--root", str(root), "--host", "127.0.0.1"])
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False, env={"FFPLANE_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 2 and f"pass --host {node.addr}" in r.stderr, r.stderr
-    assert not root.exists()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False, env={"FFPLANE_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"})
+        assert r.returncode == 2 and f"pass --host {node.addr}" in r.stderr, r.stderr
+        assert not root.exists()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # a daemon that started anyway must not leave it behind
 
 
 def test_a_job_whose_every_copy_is_gone_raises_instead_of_starting_fresh(tmp_path: Path, data_dir: Path) -> None:
