@@ -33,8 +33,11 @@ def _ablate(kind: str) -> None:
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        LinkHints.ddp_comm_hook = lambda self, model=None, reproducible=True: lambda pg, bucket: allreduce_hook(pg or dist.group.WORLD, bucket)  # type: ignore[method-assign]
+        LinkHints.ddp_comm_hook = lambda self, model=None, reproducible=True: (
+            lambda pg, bucket: allreduce_hook(pg or dist.group.WORLD, bucket)
+        )  # type: ignore[method-assign]
     elif kind == "no_save":
+
         def mark(self: Checkpointer, step: int, state: Any) -> bool:
             emit("saved", step=step)
             return True

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,14 +47,19 @@ def repeat(fn: Callable[[], float], times: int) -> dict[str, Any]:
 def write_results(name: str, figures: dict[str, Any], config: dict[str, Any], checks: dict[str, Any], directory: Path = RESULTS) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / f"{name}.json"
-    out.write_text(json.dumps({
-        "benchmark": name,
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count(), "platform": platform.platform()},
-        "config": config,
-        "figures": figures,
-        "targets": checks,
-    }, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": name,
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+                "config": config,
+                "figures": figures,
+                "targets": checks,
+            },
+            indent=1,
+        )
+    )
     return out
 
 
@@ -98,7 +103,9 @@ def huge_tmpfs(where: Path, size_mb: int, mode: str) -> Iterator[Path | None]:
         yield None
         return
     where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,huge=within_size", "tmpfs", str(where)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,huge=within_size", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         print(f"cannot mount a huge-page tmpfs ({done.stderr.strip()}); measuring on /dev/shm")
         yield None

@@ -96,9 +96,7 @@ def _consume(loader: Iterable[torch.Tensor], batch_size: int, row_len: int) -> f
     return nbytes / elapsed / 1e9
 
 
-def torch_dataloader_local_gbps(
-    shard_paths: list[str], batch_size: int, num_workers: int = 2, seed: int = 0
-) -> float:
+def torch_dataloader_local_gbps(shard_paths: list[str], batch_size: int, num_workers: int = 2, seed: int = 0) -> float:
     """GB/s of one shuffled epoch through ``torch.utils.data.DataLoader`` over local Arrow shards.
 
     The variant a competent user writes today: a map-style :class:`ArrowTokens` (``pa.memory_map``
@@ -126,16 +124,16 @@ def _import_streaming() -> types.ModuleType:
     probes ``importlib.util.find_spec("torchvision")``. Note they stay in ``sys.modules``.
     """
     if "streaming" not in sys.modules and "torchvision" not in sys.modules:
+
         class VisionDataset:  # base class streaming.vision subclasses; never instantiated here
             pass
 
-        for name in ("torchvision", "torchvision.datasets", "torchvision.transforms",
-                     "torchvision.transforms.functional"):
+        for name in ("torchvision", "torchvision.datasets", "torchvision.transforms", "torchvision.transforms.functional"):
             mod = types.ModuleType(name)
             mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
             sys.modules[name] = mod
-        setattr(sys.modules["torchvision.datasets"], "VisionDataset", VisionDataset)
-        setattr(sys.modules["torchvision.transforms.functional"], "to_tensor", None)
+        sys.modules["torchvision.datasets"].VisionDataset = VisionDataset
+        sys.modules["torchvision.transforms.functional"].to_tensor = None
     import streaming
 
     return streaming
@@ -155,9 +153,7 @@ def write_mds(shard_paths: list[str], out_dir: str) -> None:
     row_len = blocks[0].shape[1]
     columns = {"tokens": f"ndarray:int32:{row_len}"}
     total = sum(len(b) for b in blocks)
-    with streaming.MDSWriter(out=out_dir, columns=columns) as writer, tqdm(
-        total=total, unit="row", desc="MDS", mininterval=1.0
-    ) as bar:
+    with streaming.MDSWriter(out=out_dir, columns=columns) as writer, tqdm(total=total, unit="row", desc="MDS", mininterval=1.0) as bar:
         for block in blocks:
             for row in block:
                 writer.write({"tokens": row})
@@ -192,9 +188,7 @@ def _release_streaming_state(streaming: types.ModuleType, prefix: int | None) ->
     streaming.base.util.clean_stale_shared_memory()
 
 
-def mosaic_streaming_gbps(
-    mds_dir: str, batch_size: int, num_workers: int = 2, seed: int = 0
-) -> float:
+def mosaic_streaming_gbps(mds_dir: str, batch_size: int, num_workers: int = 2, seed: int = 0) -> float:
     """GB/s of one shuffled epoch through mosaicml-streaming over a local MDS directory.
 
     ``StreamingDataset(local=mds_dir, shuffle=True, shuffle_seed=seed, batch_size=batch_size)``,
@@ -207,9 +201,7 @@ def mosaic_streaming_gbps(
     _release_streaming_state(streaming, None)  # leftovers of an earlier crashed run
     prefix: int | None = None
     try:
-        ds = _token_stream_class(streaming)(
-            local=mds_dir, shuffle=True, shuffle_seed=seed, batch_size=batch_size
-        )
+        ds = _token_stream_class(streaming)(local=mds_dir, shuffle=True, shuffle_seed=seed, batch_size=batch_size)
         prefix = ds._shm_prefix_int
         loader = streaming.StreamingDataLoader(ds, batch_size=batch_size, num_workers=num_workers)
         shard = ds.shards[0]
@@ -220,9 +212,7 @@ def mosaic_streaming_gbps(
         _release_streaming_state(streaming, prefix)
 
 
-def _write_arrow_shards(
-    out_dir: str, total_bytes: int, row_len: int, rows_per_shard: int
-) -> list[str]:
+def _write_arrow_shards(out_dir: str, total_bytes: int, row_len: int, rows_per_shard: int) -> list[str]:
     """Random token shards (plus an ignored column) in Arrow IPC file format."""
     rng = np.random.default_rng(0)
     n_rows = total_bytes // (4 * row_len)
@@ -230,10 +220,12 @@ def _write_arrow_shards(
     for start in range(0, n_rows, rows_per_shard):
         n = min(rows_per_shard, n_rows - start)
         tokens = rng.integers(0, 50_000, size=n * row_len, dtype=np.int32)
-        table = pa.table({
-            "tokens": pa.FixedSizeListArray.from_arrays(pa.array(tokens), row_len),
-            "doc_id": pa.array(np.arange(start, start + n)),
-        })
+        table = pa.table(
+            {
+                "tokens": pa.FixedSizeListArray.from_arrays(pa.array(tokens), row_len),
+                "doc_id": pa.array(np.arange(start, start + n)),
+            }
+        )
         path = os.path.join(out_dir, f"shard-{len(paths):05}.arrow")
         with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
             w.write_table(table, max_chunksize=1024)  # several record batches per shard

@@ -99,7 +99,9 @@ def train(host: str, port: int, bursts: int, mb: float, gap_ms: float, daemon_so
         total = time.perf_counter() - started
     if hints is not None:
         hints.close()
-    print(json.dumps({"total_s": total, "burst_s": burst_s, "bytes": bursts * len(payload), "start": wall, "end": wall + total}), flush=True)
+    print(
+        json.dumps({"total_s": total, "burst_s": burst_s, "bytes": bursts * len(payload), "start": wall, "end": wall + total}), flush=True
+    )
 
 
 def saver(daemon_socket: str, job: str, mb: float, every_s: float) -> None:

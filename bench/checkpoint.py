@@ -36,8 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, bar_chart, huge_tmpfs, ratio, repeat, write_results  # noqa: E402
+from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
-from trainer_client.local_cluster import LocalCluster  # noqa: E402
 
 
 def make_state(nbytes: int) -> dict[str, Any]:
@@ -96,6 +96,7 @@ def bench_size(nbytes: int, socket: Path, repeats: int, work: Path, dlrover: boo
 
     out["save_block_s"] = repeat(save, repeats)
     ck.wait()
+
     def restore() -> float:
         fresh = Checkpointer(job, socket_path=socket)  # as a restarted worker would
         try:
@@ -173,7 +174,10 @@ def _dlrover(state: dict[str, Any], work: Path, repeats: int) -> dict[str, Any]:
         steps = iter(range(1, 10_000))
         ckpt.save_checkpoint(0, state, storage_type=StorageType.MEMORY)
         res = repeat(lambda: timed(lambda: ckpt.save_checkpoint(next(steps), state, storage_type=StorageType.MEMORY)), repeats)
-        return {"dlrover_flash_save_block_s": res, "dlrover_note": "DdpCheckpointer.save_checkpoint(MEMORY), standalone (no dlrover-run agent)"}
+        return {
+            "dlrover_flash_save_block_s": res,
+            "dlrover_note": "DdpCheckpointer.save_checkpoint(MEMORY), standalone (no dlrover-run agent)",
+        }
     except Exception as exc:  # noqa: BLE001
         return {"dlrover_flash_save_block_s": None, "dlrover_note": f"not measured: {exc!r}"[:300]}
     finally:  # DLRover leaves its shared memory and socket behind
@@ -186,9 +190,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sizes-mb", default="64,512,2048")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-dlrover", action="store_true")
-    p.add_argument("--huge", choices=["auto", "off"], default="auto",
-                   help="auto: the daemon's root on a tmpfs mounted huge=within_size (needs root; the recommended "
-                        "deployment, docs/deployment.md); off: /dev/shm")
+    p.add_argument(
+        "--huge",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: the daemon's root on a tmpfs mounted huge=within_size (needs root; the recommended "
+        "deployment, docs/deployment.md); off: /dev/shm",
+    )
     p.add_argument("--out", default="checkpoint")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -228,8 +236,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if dist.is_initialized():  # created by the DCP baseline
         dist.destroy_process_group()
-    out = write_results(args.out, figures, {"sizes_mb": args.sizes_mb, "repeats": args.repeats, "torch_threads": 1, "daemon_root_pages": shm_pages}, checks, args.results_dir)
-    rows = [(f"{n} {k.removesuffix('_s')}", v) for n, f in figures.items() for k, v in f.items() if isinstance(v, dict) and k in ("save_block_s", "memcpy_s", "torch_save_shm_s", "dcp_async_save_block_s", "restore_s")]
+    out = write_results(
+        args.out,
+        figures,
+        {"sizes_mb": args.sizes_mb, "repeats": args.repeats, "torch_threads": 1, "daemon_root_pages": shm_pages},
+        checks,
+        args.results_dir,
+    )
+    rows = [
+        (f"{n} {k.removesuffix('_s')}", v)
+        for n, f in figures.items()
+        for k, v in f.items()
+        if isinstance(v, dict) and k in ("save_block_s", "memcpy_s", "torch_save_shm_s", "dcp_async_save_block_s", "restore_s")
+    ]
     bar_chart(args.results_dir / f"{args.out}.png", rows, "seconds (median, min-max)", "checkpoint: ffplane vs copy floor and peers")
     print(f"wrote {out}")
     return {"figures": figures, "targets": checks}

@@ -45,8 +45,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, cpu_s, write_results  # noqa: E402
-from dataserver import coordinator as co  # noqa: E402
-from trainer_client.local_cluster import LocalCluster  # noqa: E402
+from dataserver.protocol import heartbeat as co  # noqa: E402
+from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
 
 MODES = ("udp", "udp_worst", "http")
 
@@ -66,7 +66,12 @@ def _body(i: int, step: int = 100) -> dict[str, Any]:
         "node_id": f"sim{i:05d}",
         "address": f"http://10.{i // 256}.{i % 256}.1:8471",
         "budget_bytes": 64 << 30,
-        "inventory": {"job": {r: [{"step": s, "checksum": secrets.token_hex(8), "nbytes": 1 << 30, "layout_roles": [r]} for s in (step - 1, step)] for r in roles}},
+        "inventory": {
+            "job": {
+                r: [{"step": s, "checksum": secrets.token_hex(8), "nbytes": 1 << 30, "layout_roles": [r]} for s in (step - 1, step)]
+                for r in roles
+            }
+        },
         "workers": [{"pid": 1000 + k, "job": "job", "role": r} for k, r in enumerate(roles)],
         "exited": [],
     }
@@ -74,6 +79,7 @@ def _body(i: int, step: int = 100) -> dict[str, Any]:
 
 def _summary(xs: list[float]) -> dict[str, Any]:
     return {"min": min(xs), "median": sorted(xs)[len(xs) // 2], "max": max(xs), "samples": xs}
+
 
 class Simulator:
     """The HTTP baseline: every beat is the full JSON heartbeat."""
@@ -128,7 +134,12 @@ async def _measure_http(url: str, token: str, pid: int, nodes: int, rounds: int,
             beat.cancel()
             sim.silent.discard(victim)
             await sim.round(session)  # it rejoins
-    return {"cpu_per_round_s": _summary(cpu), "round_s": _summary(durations), "detect_dead_s": _summary(detect), "register_cpu_s": register_cpu}
+    return {
+        "cpu_per_round_s": _summary(cpu),
+        "round_s": _summary(durations),
+        "detect_dead_s": _summary(detect),
+        "register_cpu_s": register_cpu,
+    }
 
 
 async def _keep_beating(sim: Simulator, session: aiohttp.ClientSession) -> None:
@@ -162,7 +173,9 @@ class UdpSimulator:
         self.headers = {"Authorization": f"Bearer {token}"}
         self.bodies = [_body(i) for i in range(nodes)]
         # two inventories per node, alternated: a commit changes it
-        self.payloads = [[co.encode_inventory(_body(i, step)["inventory"], self.bodies[i]["workers"]) for step in (100, 101)] for i in range(nodes)]
+        self.payloads = [
+            [co.encode_inventory(_body(i, step)["inventory"], self.bodies[i]["workers"]) for step in (100, 101)] for i in range(nodes)
+        ]
         self.sessions = [os.urandom(8) for _ in range(nodes)]
         self.inv = [0] * nodes  # the inventory variant the coordinator holds
         self.inv_version = [0] * nodes
@@ -235,10 +248,10 @@ class UdpSimulator:
         task.add_done_callback(self.tasks.discard)
 
     def answered(self, data: bytes) -> None:
-        a = co.decode_answer(self.key, data)
+        a = co.Answer.decode(self.key, data)
         if a is None:
             return
-        status, view, counter, epoch, version, events = a
+        status, view, counter, epoch, version, events = a.status, a.view, a.counter, a.epoch, a.version, a.events
         sent = self.pending.pop(counter, None)
         if sent is None:
             return
@@ -271,7 +284,9 @@ class UdpSimulator:
         payload = self.payloads[i][variant] if kind == co.KIND_INV else b""
         self.inventories += kind == co.KIND_INV
         self.pending[self.counter] = (i, kind, variant)
-        self.transport.sendto(co.encode_beat(self.key, kind, f"sim{i:05d}", self.sessions[i], self.counter, inv, epoch, version, payload), self.addr)
+        self.transport.sendto(
+            co.Beat(kind, f"sim{i:05d}", self.sessions[i], self.counter, inv, epoch, version, payload).encode(self.key), self.addr
+        )
 
     async def round(self, worst: bool = False, period_s: float = 1.0, slice_s: float = 0.005) -> float:
         """One beat from every live simulated node, spread over ``period_s``; the time until the
@@ -305,7 +320,9 @@ class UdpSimulator:
             await asyncio.gather(*list(self.tasks))
 
 
-async def _measure_udp(url: str, token: str, pid: int, nodes: int, rounds: int, repeats: int, worst: bool, commit_rounds: int) -> dict[str, Any]:
+async def _measure_udp(
+    url: str, token: str, pid: int, nodes: int, rounds: int, repeats: int, worst: bool, commit_rounds: int
+) -> dict[str, Any]:
     sim = UdpSimulator(url, token, pid, nodes, commit_rounds)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
         await sim.start(session)
@@ -392,18 +409,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     run = _measure_udp(ds.url, token, ds.pid, args.nodes, args.rounds, args.repeats, mode == "udp_worst", args.commit_s)
                 by_mode[mode] = asyncio.run(run)
         f = by_mode[mode]
-        print(f"{mode}: " + "  ".join(f"{k} {f[k]['median']:.3f}" for k in ("cpu_per_round_s", "round_s", "detect_dead_s")) + f"  register_cpu_s {f['register_cpu_s']:.2f}")
+        print(
+            f"{mode}: "
+            + "  ".join(f"{k} {f[k]['median']:.3f}" for k in ("cpu_per_round_s", "round_s", "detect_dead_s"))
+            + f"  register_cpu_s {f['register_cpu_s']:.2f}"
+        )
     head = modes[0]
     figures: dict[str, Any] = {**by_mode[head], "transport": head}
     for mode in modes[1:]:
         figures[mode] = by_mode[mode]
     if "http" in by_mode and head != "http":
-        figures["http_over_" + head] = {k: by_mode["http"][k]["median"] / by_mode[head][k]["median"] for k in ("cpu_per_round_s", "round_s", "detect_dead_s")}
+        figures["http_over_" + head] = {
+            k: by_mode["http"][k]["median"] / by_mode[head][k]["median"] for k in ("cpu_per_round_s", "round_s", "detect_dead_s")
+        }
     checks = {
-        "cpu_per_round_s": {"value": figures["cpu_per_round_s"]["median"], "ratio_to_target": figures["cpu_per_round_s"]["median"] / 0.1, "target": "<= 0.1 s"},
-        "detect_dead_s": {"value": figures["detect_dead_s"]["median"], "ratio_to_target": figures["detect_dead_s"]["median"] / 2.0, "target": "<= 2 s"},
+        "cpu_per_round_s": {
+            "value": figures["cpu_per_round_s"]["median"],
+            "ratio_to_target": figures["cpu_per_round_s"]["median"] / 0.1,
+            "target": "<= 0.1 s",
+        },
+        "detect_dead_s": {
+            "value": figures["detect_dead_s"]["median"],
+            "ratio_to_target": figures["detect_dead_s"]["median"] / 2.0,
+            "target": "<= 2 s",
+        },
     }
-    config = {"nodes": args.nodes, "workers": args.nodes * 8, "rounds": args.rounds, "repeats": args.repeats, "modes": modes, "commit_s": args.commit_s}
+    config = {
+        "nodes": args.nodes,
+        "workers": args.nodes * 8,
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "modes": modes,
+        "commit_s": args.commit_s,
+    }
     out = write_results(args.out, figures, config, checks, args.results_dir)
     for mode in modes:
         print(f"-- {mode}")

@@ -36,8 +36,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import RESULTS, bar_chart, huge_tmpfs, print_table, ratio, repeat, summary, write_results  # noqa: E402
 from bench._http_stack import http_stack  # noqa: E402
 from dataserver.ingest import IngestConfig, ingest  # noqa: E402
+from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
 from trainer_client import DataLoader  # noqa: E402
-from trainer_client.local_cluster import LocalCluster  # noqa: E402
 
 GB = 1e9
 
@@ -152,7 +152,9 @@ def loopback_tcp_gbps(nbytes: int) -> float:
 
 def _create_job(url: str, token: str, name: str, batch: int, max_steps: int, seed: int) -> None:
     body = {"name": name, "dataset": "tokens", "dp": 1, "batch_per_rank": batch, "seed": seed, "max_steps": max_steps}
-    req = urllib.request.Request(url + "/v1/jobs", json.dumps(body).encode(), {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    req = urllib.request.Request(
+        url + "/v1/jobs", json.dumps(body).encode(), {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    )
     urllib.request.urlopen(req).read()
 
 
@@ -191,9 +193,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", type=Path, default=Path("/tmp/ffplane-bench-data"), help="dataset folder (kept for reuse)")
     p.add_argument("--no-mosaic", action="store_true", help="skip mosaicml-streaming")
-    p.add_argument("--huge", choices=["auto", "off"], default="auto",
-                   help="auto: put the node cache on a tmpfs mounted huge=within_size (needs root; the "
-                        "recommended deployment, docs/deployment.md) and also measure /dev/shm; off: /dev/shm only")
+    p.add_argument(
+        "--huge",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: put the node cache on a tmpfs mounted huge=within_size (needs root; the "
+        "recommended deployment, docs/deployment.md) and also measure /dev/shm; off: /dev/shm only",
+    )
     p.add_argument("--out", default="data_path")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -250,16 +256,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             def control_rtt_us() -> float:
                 """One worker↔daemon round trip for a step already cached (the per-batch control cost)."""
+                from statestore.protocol.control import Get, Open
                 from trainer_client._daemon_client import DaemonClient
 
                 job = f"rtt-{run_id}-{next(runs)}"
                 _create_job(ds.url, token, job, args.batch, 2, seed=0)
                 client = DaemonClient(cluster.socket(), 60)
-                client.call(op="open", job=job, dp_rank=0, token=token)
-                client.call(op="get", step=0)
+                client.call(Open(job, 0, token))
+                client.call(Get(0))
                 t = time.perf_counter()
                 for _ in range(500):
-                    client.call(op="get", step=0)
+                    client.call(Get(0))
                 elapsed = time.perf_counter() - t
                 client.close()
                 return elapsed / 500 * 1e6
@@ -283,7 +290,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sub = _subset(shards, args.steps * args.batch, args.work)
     for workers in (0, 2):
         figures[f"torch_dataloader_local_{workers}w_gbps"] = repeat(
-            lambda: peers.torch_dataloader_local_gbps(sub, args.batch, num_workers=workers), args.repeats)
+            lambda: peers.torch_dataloader_local_gbps(sub, args.batch, num_workers=workers), args.repeats
+        )
     best = max((figures[f"torch_dataloader_local_{w}w_gbps"] for w in (0, 2)), key=lambda f: f["median"])
     figures["torch_dataloader_local_gbps"] = best
     if not args.no_mosaic:
@@ -298,7 +306,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "end_to_end_vs_loopback_tcp": {"ratio": ratio(f["end_to_end_gbps"], f["loopback_tcp_gbps"]), "target": ">= 0.7"},
         # what the stack alone reaches: no end-to-end path built on it can beat this ratio
         "http_stack_vs_loopback_tcp": {"ratio": ratio(f["http_stack_gbps"], f["loopback_tcp_gbps"]), "target": "(the stack alone)"},
-        "end_to_end_bound_vs_loopback_tcp": {"ratio": ratio(f["end_to_end_bound_gbps"], f["loopback_tcp_gbps"]), "target": "(ceiling of end_to_end_vs_loopback_tcp)"},
+        "end_to_end_bound_vs_loopback_tcp": {
+            "ratio": ratio(f["end_to_end_bound_gbps"], f["loopback_tcp_gbps"]),
+            "target": "(ceiling of end_to_end_vs_loopback_tcp)",
+        },
         "end_to_end_vs_http_stack": {"ratio": ratio(f["end_to_end_gbps"], f["http_stack_gbps"]), "target": "(reported)"},
         "node_cache_read_vs_torch_local": {"ratio": ratio(f["node_cache_read_gbps"], f["torch_dataloader_local_gbps"]), "target": "> 1"},
         "end_to_end_vs_torch_local": {"ratio": ratio(f["end_to_end_gbps"], f["torch_dataloader_local_gbps"]), "target": "> 1"},
@@ -306,27 +317,67 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "mosaic_streaming_gbps" in f:
         checks["node_cache_read_vs_mosaic"] = {"ratio": ratio(f["node_cache_read_gbps"], f["mosaic_streaming_gbps"]), "target": "> 1"}
         checks["end_to_end_vs_mosaic"] = {"ratio": ratio(f["end_to_end_gbps"], f["mosaic_streaming_gbps"]), "target": "> 1"}
-    config = {"shm_pages": shm_pages, "gib": args.gib, "rows": rows, "seq": args.seq, "batch": args.batch, "step_bytes": step_bytes,
-              "steps": args.steps, "cached_steps": args.cached_steps, "repeats": args.repeats, "peer_rows": args.steps * args.batch}
+    config = {
+        "shm_pages": shm_pages,
+        "gib": args.gib,
+        "rows": rows,
+        "seq": args.seq,
+        "batch": args.batch,
+        "step_bytes": step_bytes,
+        "steps": args.steps,
+        "cached_steps": args.cached_steps,
+        "repeats": args.repeats,
+        "peer_rows": args.steps * args.batch,
+    }
     out = write_results(args.out, figures, config, checks, args.results_dir)
 
     base = f["memcpy_gbps"]
-    print_table([
-        ("memcpy_gbps", f["memcpy_gbps"], "(machine limit)"),
-        ("loopback_tcp_gbps", f["loopback_tcp_gbps"], "(machine limit)"),
-        ("http_stack_gbps", f["http_stack_gbps"], f"{ratio(f['http_stack_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (FastAPI -> aiohttp alone)"),
-        ("http_stack_cpu_s_per_gb (CPU s/GB)", f["http_stack_cpu_s_per_gb"], "server + client together"),
-        ("end_to_end_bound_gbps", f["end_to_end_bound_gbps"], f"{ratio(f['end_to_end_bound_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (all cores, stack + 3 copies, no other work)"),
-        ("node_cache_read_gbps", f["node_cache_read_gbps"], f"{ratio(f['node_cache_read_gbps'], base):.2f} x memcpy (target >= 0.5)"),
-        *([("node_cache_read_4k_pages_gbps", f["node_cache_read_4k_pages_gbps"], f"{ratio(f['node_cache_read_4k_pages_gbps'], base):.2f} x memcpy (cache root on /dev/shm)")] if "node_cache_read_4k_pages_gbps" in f else []),
-        ("end_to_end_gbps", f["end_to_end_gbps"], f"{ratio(f['end_to_end_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (target >= 0.7)"),
-        ("control_rtt_us (microseconds)", f["control_rtt_us"], "per batch, worker <-> daemon, Unix socket"),
-        *[(k, v, "(baseline)") for k, v in f.items() if k.startswith("torch_dataloader_local_") and "w_" in k],
-        *([("mosaic_streaming_gbps", f["mosaic_streaming_gbps"], "(baseline)")] if "mosaic_streaming_gbps" in f else []),
-    ], "GB/s")
+    print_table(
+        [
+            ("memcpy_gbps", f["memcpy_gbps"], "(machine limit)"),
+            ("loopback_tcp_gbps", f["loopback_tcp_gbps"], "(machine limit)"),
+            (
+                "http_stack_gbps",
+                f["http_stack_gbps"],
+                f"{ratio(f['http_stack_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (FastAPI -> aiohttp alone)",
+            ),
+            ("http_stack_cpu_s_per_gb (CPU s/GB)", f["http_stack_cpu_s_per_gb"], "server + client together"),
+            (
+                "end_to_end_bound_gbps",
+                f["end_to_end_bound_gbps"],
+                f"{ratio(f['end_to_end_bound_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (all cores, stack + 3 copies, no other work)",
+            ),
+            ("node_cache_read_gbps", f["node_cache_read_gbps"], f"{ratio(f['node_cache_read_gbps'], base):.2f} x memcpy (target >= 0.5)"),
+            *(
+                [
+                    (
+                        "node_cache_read_4k_pages_gbps",
+                        f["node_cache_read_4k_pages_gbps"],
+                        f"{ratio(f['node_cache_read_4k_pages_gbps'], base):.2f} x memcpy (cache root on /dev/shm)",
+                    )
+                ]
+                if "node_cache_read_4k_pages_gbps" in f
+                else []
+            ),
+            (
+                "end_to_end_gbps",
+                f["end_to_end_gbps"],
+                f"{ratio(f['end_to_end_gbps'], f['loopback_tcp_gbps']):.2f} x loopback TCP (target >= 0.7)",
+            ),
+            ("control_rtt_us (microseconds)", f["control_rtt_us"], "per batch, worker <-> daemon, Unix socket"),
+            *[(k, v, "(baseline)") for k, v in f.items() if k.startswith("torch_dataloader_local_") and "w_" in k],
+            *([("mosaic_streaming_gbps", f["mosaic_streaming_gbps"], "(baseline)")] if "mosaic_streaming_gbps" in f else []),
+        ],
+        "GB/s",
+    )
     for name, c in checks.items():
         print(f"  {name:34s} {c['ratio']:7.2f}   target {c['target']}")
-    bar_chart(args.results_dir / f"{args.out}.png", [(k, v) for k, v in f.items() if k.endswith("_gbps") and k != "torch_dataloader_local_gbps"], "GB/s (median, min-max)", "ffplane data path vs machine limits and peers")
+    bar_chart(
+        args.results_dir / f"{args.out}.png",
+        [(k, v) for k, v in f.items() if k.endswith("_gbps") and k != "torch_dataloader_local_gbps"],
+        "GB/s (median, min-max)",
+        "ffplane data path vs machine limits and peers",
+    )
     print(f"wrote {out}")
     return {"figures": figures, "targets": checks}
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, print_table, ratio, repeat, write_results  # noqa: E402
 from bench.replication import _rate_gbps, _traffic  # noqa: E402
-from trainer_client.local_cluster import LocalCluster  # noqa: E402
-from trainer_client.netns import Netns  # noqa: E402
+from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
+from ffplane_harness.netns import Netns  # noqa: E402
 
 PORT = 5301
 
@@ -115,7 +115,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # --replica-max-lag 0: this saver makes more STATE than the link can carry, so the
             # lag bound (a push passes the gate once its replica trails by two commits) would
             # always fire; the bench measures the gate itself
-            gate = ("--gate-iface", a.iface, "--gate-link-mbit", str(link * 8 / 1e6), "--gate-chunk-kb", str(args.chunk_kb), "--replica-max-lag", "0")
+            gate = (
+                "--gate-iface",
+                a.iface,
+                "--gate-link-mbit",
+                str(link * 8 / 1e6),
+                "--gate-chunk-kb",
+                str(args.chunk_kb),
+                "--replica-max-lag",
+                "0",
+            )
             procs["a"] = c.start_daemon(*gate, *extra, budget_mb=int(budget), index=0)
             deadline = time.monotonic() + 30
             while httpx.get(procs["a"].url + "/v1/state").json()["coordinator"].get("successor") != "n1":
@@ -170,15 +179,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ungated_vs_alone": {"ratio": ratio(figures["train_with_ungated_state_s"], figures["train_alone_s"]), "target": "(the problem)"},
         "gated_idle_capacity_used": {"ratio": figures["gated_idle_capacity_used"]["median"], "target": ">= 0.7"},
     }
-    print_table([
-        ("train_alone_s (baseline)", figures["train_alone_s"], ""),
-        ("train_with_ungated_state_s", figures["train_with_ungated_state_s"], f"{checks['ungated_vs_alone']['ratio']:.3f}x alone"),
-        ("train_with_gated_state_s", figures["train_with_gated_state_s"], f"{checks['gated_vs_alone']['ratio']:.3f}x alone"),
-    ], "s")
-    print(f"STATE MiB moved per run: ungated {figures['state_bytes_ungated']['median'] / 2**20:.0f}, gated {figures['state_bytes_gated']['median'] / 2**20:.0f}; "
-          f"gated used {figures['gated_idle_capacity_used']['median']:.2f} of the idle link")
-    config = {"rate": args.rate, "bursts": args.bursts, "burst_mb": args.burst_mb, "gap_ms": args.gap_ms, "state_mb": args.state_mb,
-              "chunk_kb": args.chunk_kb, "repeats": args.repeats, "gate_after_gated_runs": gate_view}
+    print_table(
+        [
+            ("train_alone_s (baseline)", figures["train_alone_s"], ""),
+            ("train_with_ungated_state_s", figures["train_with_ungated_state_s"], f"{checks['ungated_vs_alone']['ratio']:.3f}x alone"),
+            ("train_with_gated_state_s", figures["train_with_gated_state_s"], f"{checks['gated_vs_alone']['ratio']:.3f}x alone"),
+        ],
+        "s",
+    )
+    print(
+        f"STATE MiB moved per run: ungated {figures['state_bytes_ungated']['median'] / 2**20:.0f}, gated {figures['state_bytes_gated']['median'] / 2**20:.0f}; "
+        f"gated used {figures['gated_idle_capacity_used']['median']:.2f} of the idle link"
+    )
+    config = {
+        "rate": args.rate,
+        "bursts": args.bursts,
+        "burst_mb": args.burst_mb,
+        "gap_ms": args.gap_ms,
+        "state_mb": args.state_mb,
+        "chunk_kb": args.chunk_kb,
+        "repeats": args.repeats,
+        "gate_after_gated_runs": gate_view,
+    }
     path = write_results(args.out, figures, config, checks, args.results_dir)
     print(f"wrote {path}")
     return {"figures": figures, "targets": checks}

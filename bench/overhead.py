@@ -48,9 +48,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, bar_chart, ratio, summary, write_results  # noqa: E402
-from statestore.checksum import checksum  # noqa: E402
+from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
+from statestore.protocol.checksum import checksum  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
-from trainer_client.local_cluster import LocalCluster  # noqa: E402
 
 MODES = ("none", "ffplane", "floor", "floor_async", "torch_save", "dcp_async")
 
@@ -65,8 +65,15 @@ class Loop:
         nn = torch.nn
         if kind == "cnn":
             self.model: torch.nn.Module = nn.Sequential(
-                nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 128, 3, padding=1, stride=2), nn.ReLU(),
-                nn.Conv2d(128, 128, 3, padding=1, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 1000),
+                nn.Conv2d(3, 64, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(64, 128, 3, padding=1, stride=2),
+                nn.ReLU(),
+                nn.Conv2d(128, 128, 3, padding=1, stride=2),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+                nn.Linear(128, 1000),
             )
             self.x = torch.randn(32, 3, 64, 64)
             self.y = torch.randint(0, 1000, (32,))
@@ -201,14 +208,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     modes.block(m, 3)  # warm: allocator, slots allocated, DCP set up, before anything is timed
                 for r in range(args.rounds):
                     block: dict[str, float] = {}
-                    for m in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:  # rotated: no mode always follows another
+                    for m in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:  # rotated: no mode always follows another
                         times = modes.block(m, args.steps + 1)
                         steps[kind][m] += times
                         block[m] = statistics.median(times)
                     for m in MODES[1:]:
                         paired[kind][m].append(block[m] / block["none"])
                     if r % 8 == 7 or r == args.rounds - 1:
-                        print(f"{kind} round {r + 1}/{args.rounds}: " + "  ".join(f"{m} {statistics.median(paired[kind][m]):.3f}" for m in MODES[1:]), flush=True)
+                        print(
+                            f"{kind} round {r + 1}/{args.rounds}: "
+                            + "  ".join(f"{m} {statistics.median(paired[kind][m]):.3f}" for m in MODES[1:]),
+                            flush=True,
+                        )
                 modes.close()
         dist.destroy_process_group()
     figures: dict[str, Any] = {}
@@ -227,11 +238,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
     if "cnn" in kinds:
         checks["overhead_ratio"] = checks["overhead_ratio_ffplane"]
-    config = {"models": kinds, "mlp_batch": args.batch, "rounds": args.rounds, "timed_steps_per_block": args.steps, "state_bytes": state_bytes, "torch_threads": torch.get_num_threads()}
+    config = {
+        "models": kinds,
+        "mlp_batch": args.batch,
+        "rounds": args.rounds,
+        "timed_steps_per_block": args.steps,
+        "state_bytes": state_bytes,
+        "torch_threads": torch.get_num_threads(),
+    }
     out = write_results(args.out, figures, config, checks, args.results_dir)
     for name, c in checks.items():
         print(f"  {name:28s} {c['ratio']:6.3f}  (90% CI {c['ci90'][0]:.3f}-{c['ci90'][1]:.3f})   {c['target']}")
-    bar_chart(args.results_dir / f"{args.out}.png", [(k, v) for k, v in figures.items() if k.startswith("step_s_")], "step seconds (median, min-max)", "training step time, checkpoint every step")
+    bar_chart(
+        args.results_dir / f"{args.out}.png",
+        [(k, v) for k, v in figures.items() if k.startswith("step_s_")],
+        "step seconds (median, min-max)",
+        "training step time, checkpoint every step",
+    )
     print(f"wrote {out}  (state bytes {state_bytes})")
     return {"figures": figures, "targets": checks}
 

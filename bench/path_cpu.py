@@ -27,14 +27,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import cpu_s, huge_tmpfs, print_table, ratio, summary, write_results  # noqa: E402
 from bench._http_stack import http_stack  # noqa: E402
 from bench.data_path import _consume, _create_job, reader_bench_dataset, reader_bench_parser  # noqa: E402
+from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
 from trainer_client import DataLoader  # noqa: E402
-from trainer_client.local_cluster import LocalCluster  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -68,7 +67,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _, cpu_per_gb = http_stack(step_bytes, args.steps * step_bytes)
         samples.setdefault("stack_ms", []).append(cpu_per_gb * step_bytes / 1e9 * 1e3)
     figures = {k: summary(v) for k, v in samples.items()}
-    checks = {"total_vs_stack": {"ratio": ratio(figures["total_ms"], figures["stack_ms"]), "target": "(reported: 1.0 would be a path that costs only the HTTP stack)"}}
+    checks = {
+        "total_vs_stack": {
+            "ratio": ratio(figures["total_ms"], figures["stack_ms"]),
+            "target": "(reported: 1.0 would be a path that costs only the HTTP stack)",
+        }
+    }
     config = {"steps": args.steps, "repeats": args.repeats, "step_bytes": step_bytes, "shm_pages": "2 MiB" if huge else "4 KiB"}
     out = write_results(args.out, figures, config, checks, args.results_dir)
     print_table([(k, v, "(baseline: the HTTP stack alone)" if k == "stack_ms" else "") for k, v in figures.items()], "CPU ms / step")

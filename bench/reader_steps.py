@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import cpu_s, huge_tmpfs, print_table, ratio, summary, write_results  # noqa: E402
 from bench.data_path import _create_job, _wait_cached, reader_bench_dataset, reader_bench_parser  # noqa: E402
+from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
 from trainer_client import DataLoader  # noqa: E402
-from trainer_client.local_cluster import LocalCluster  # noqa: E402
 
 
 class _Traced(DataLoader):
@@ -132,10 +132,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         samples[consumer].setdefault(k, []).append(v)
     figures = {f"{c}_{k}": summary(v) for c, d in samples.items() for k, v in d.items()}
     checks = {
-        f"{c}_step_vs_copy": {"ratio": ratio(figures[f"{c}_step_ms"], figures["copy_copy_ms"]), "target": "(reported: 1.0 would be a free reader)"}
+        f"{c}_step_vs_copy": {
+            "ratio": ratio(figures[f"{c}_step_ms"], figures["copy_copy_ms"]),
+            "target": "(reported: 1.0 would be a free reader)",
+        }
         for c in samples
     }
-    out = write_results(args.out, figures, {"steps": args.steps, "step_bytes": step_bytes, "repeats": args.repeats, "cache_pages": "2 MiB" if huge else "4 KiB"}, checks, args.results_dir)
+    out = write_results(
+        args.out,
+        figures,
+        {"steps": args.steps, "step_bytes": step_bytes, "repeats": args.repeats, "cache_pages": "2 MiB" if huge else "4 KiB"},
+        checks,
+        args.results_dir,
+    )
     print_table([(k, v, "") for k, v in figures.items()], "ms / fraction")
     for name, c in checks.items():
         print(f"  {name:24s} {c['ratio']:6.2f}")

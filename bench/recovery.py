@@ -34,8 +34,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, write_results  # noqa: E402
-from trainer_client.job_runner import EXAMPLE, STAGES, STARTUP, LocalJobs  # noqa: E402
-from trainer_client.torchrun import TorchrunNode  # noqa: E402
+from ffplane_harness.job_runner import EXAMPLE, STAGES, STARTUP, LocalJobs  # noqa: E402
+from ffplane_harness.torchrun import TorchrunNode  # noqa: E402
 
 PLAIN = Path(__file__).resolve().parent / "_plain_job.py"
 _AGENT_FAILED = re.compile(r"^[EW](\d{4}) (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode")
@@ -129,7 +129,10 @@ class System(LocalJobs):
                 saved_before = max(self.saved_steps(since, job, until=failed_at).values())
                 self.wait_steps(job, nodes, saved_before + 1, failed_at)  # caught up
                 out.append(self.timeline(kind, failed_at, self.detected(job, failed_at) or failed_at, saved_before, job))
-                print(f"  {self.name:18s} {kind:15s} first step after {out[-1]['seconds']['first_step']:6.2f} s, lost {out[-1]['steps_lost']}, caught up after {out[-1]['seconds']['caught_up']:6.2f} s", flush=True)
+                print(
+                    f"  {self.name:18s} {kind:15s} first step after {out[-1]['seconds']['first_step']:6.2f} s, lost {out[-1]['steps_lost']}, caught up after {out[-1]['seconds']['caught_up']:6.2f} s",
+                    flush=True,
+                )
         self.finish(nodes)
         return out
 
@@ -140,6 +143,7 @@ class System(LocalJobs):
     def goodput(self, failures: int, interval_s: float) -> dict[str, Any]:
         """Steps per minute with a worker SIGKILLed every ``interval_s`` seconds (from the first
         step), and without failures; the same number of steps."""
+
         def run(fail: bool) -> float:
             job = self.new_job()
             started = time.time()
@@ -158,7 +162,11 @@ class System(LocalJobs):
 
         free = run(False)
         failing = run(True)
-        return {"steps_per_min_failure_free": round(free, 1), "steps_per_min_with_failures": round(failing, 1), "goodput": round(failing / free, 3)}
+        return {
+            "steps_per_min_failure_free": round(free, 1),
+            "steps_per_min_with_failures": round(failing, 1),
+            "goodput": round(failing / free, 3),
+        }
 
 
 def _summary(samples: list[float]) -> dict[str, Any]:
@@ -218,8 +226,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "lost_steps<=1": max(ours["worker SIGKILL"]["steps_lost"]["max"], ours["node loss"]["steps_lost"]["max"]) <= 1,
         "goodput>=0.95": ours["goodput"]["goodput"] >= 0.95,
     }
-    config = {"nodes": 2, "workers_per_node": 2, "repeats": args.repeats, "goodput_failures": args.goodput_failures,
-              "goodput_interval_s": args.goodput_interval, "k": args.k, "launcher": "torchrun (c10d, one per node)"}
+    config = {
+        "nodes": 2,
+        "workers_per_node": 2,
+        "repeats": args.repeats,
+        "goodput_failures": args.goodput_failures,
+        "goodput_interval_s": args.goodput_interval,
+        "k": args.k,
+        "launcher": "torchrun (c10d, one per node)",
+    }
     path = write_results(args.out, results, config, checks, args.results_dir)
     _print(results)
     _plot(results, args.results_dir / f"{args.out}.png")
@@ -229,22 +244,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _print(results: dict[str, Any]) -> None:
     base = results["ffplane"]
-    print(f"\n{'system':18s} {'failure':15s}" + "".join(f"{s:>11s}" for s in (*STAGES, "caught_up")) + "  lost  MTTR / caught up vs ffplane")
+    print(
+        f"\n{'system':18s} {'failure':15s}" + "".join(f"{s:>11s}" for s in (*STAGES, "caught_up")) + "  lost  MTTR / caught up vs ffplane"
+    )
     for name, fig in results.items():
         for kind in ("worker SIGKILL", "node loss"):
             st = fig[kind]["stages_median_s"]
             ratio = fig[kind]["mttr_s"]["median"] / base[kind]["mttr_s"]["median"]
             back = fig[kind]["caught_up_s"]["median"] / base[kind]["caught_up_s"]["median"]
-            print(f"{name:18s} {kind:15s}" + "".join(f"{st[s]:10.2f}s" for s in (*STAGES, "caught_up")) + f"  {fig[kind]['steps_lost']['median']:4.0f}  {ratio:5.2f}x / {back:5.2f}x")
+            print(
+                f"{name:18s} {kind:15s}"
+                + "".join(f"{st[s]:10.2f}s" for s in (*STAGES, "caught_up"))
+                + f"  {fig[kind]['steps_lost']['median']:4.0f}  {ratio:5.2f}x / {back:5.2f}x"
+            )
     print("\nworker start-up inside restarted → restored (median s after the failure):")
     for name, fig in results.items():
         for kind in ("worker SIGKILL", "node loss"):
             st = fig[kind]
-            print(f"{name:18s} {kind:15s} restarted {st['stages_median_s']['restarted']:.2f}" + "".join(f", {s} {v:.2f}" for s, v in st.get("startup_median_s", {}).items()) + f", restored {st['stages_median_s']['restored']:.2f}")
+            print(
+                f"{name:18s} {kind:15s} restarted {st['stages_median_s']['restarted']:.2f}"
+                + "".join(f", {s} {v:.2f}" for s, v in st.get("startup_median_s", {}).items())
+                + f", restored {st['stages_median_s']['restored']:.2f}"
+            )
     print(f"\n{'system':18s} goodput (steps/min with failures / failure-free)   vs ffplane")
     for name, fig in results.items():
         g = fig["goodput"]
-        print(f"{name:18s} {g['goodput']:.3f} ({g['steps_per_min_with_failures']} / {g['steps_per_min_failure_free']})   {g['goodput'] / base['goodput']['goodput']:.2f}x")
+        print(
+            f"{name:18s} {g['goodput']:.3f} ({g['steps_per_min_with_failures']} / {g['steps_per_min_failure_free']})   {g['goodput'] / base['goodput']['goodput']:.2f}x"
+        )
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:

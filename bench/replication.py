@@ -4,7 +4,7 @@
     python bench/replication.py --rate 4gbit --mb 512
     python bench/replication.py --mb 8 --repeats 1     # smoke size
 
-Four namespaces on a tbf-shaped bridge (see trainer_client/netns.py): the data server, and node
+Four namespaces on a tbf-shaped bridge (see ffplane_harness/netns.py): the data server, and node
 daemons A → B → C in a ring. Figures, each repeated:
 ``raw_tcp_gbps`` — one message of the shard's size from A's namespace to B's over a plain socket
 (the baseline); ``replication_gbps`` — a role saves on A, from the commit to B holding the
@@ -30,8 +30,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, print_table, ratio, repeat, write_results  # noqa: E402
-from trainer_client.local_cluster import LocalCluster  # noqa: E402
-from trainer_client.netns import Netns  # noqa: E402
+from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
+from ffplane_harness.netns import Netns  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,9 @@ def _rate_gbps(rate: str) -> float:
 
 
 def _traffic(net: Netns, node: int, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(net.nodes[node].exec_argv([sys.executable, "-m", "bench._traffic", *args]), cwd=REPO, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        net.nodes[node].exec_argv([sys.executable, "-m", "bench._traffic", *args]), cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
 
 
 def raw_tcp_gbps(net: Netns, src: int, dst: int, mb: float, port: int = 5201) -> float:
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import torch
 
+    from statestore.protocol.control import Restorable
     from trainer_client import Checkpointer
     from trainer_client._daemon_client import DaemonClient
 
@@ -117,16 +120,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         def remote_restore() -> float:
             replication()  # a step C has never seen
             step = last["step"]
-            while len(httpx.get(f"{c.dataserver.url}/v1/jobs/bench/status").json()["shard_locations"].get("dp0-pp0-tp0", {}).get(str(step), [])) < 2:
+            while (
+                len(
+                    httpx.get(f"{c.dataserver.url}/v1/jobs/bench/status")
+                    .json()["shard_locations"]
+                    .get("dp0-pp0-tp0", {})
+                    .get(str(step), [])
+                )
+                < 2
+            ):
                 time.sleep(0.01)  # the coordinator has heard of both copies
             client = DaemonClient(c.socket(2), 300)
             try:
                 started = time.perf_counter()
-                reply = client.call(op="restorable", job="bench", verify=False, roles=["dp0-pp0-tp0"])
+                reply = client.call(Restorable("bench", verify=False, roles=["dp0-pp0-tp0"]))
                 seconds = time.perf_counter() - started
             finally:
                 client.close()
-            assert reply["step"] == step and reply["shards"]["dp0-pp0-tp0"]["kind"] == "pulled", reply
+            assert reply.step == step and reply.shards["dp0-pp0-tp0"]["kind"] == "pulled", reply
             return args.mb * 2**20 / seconds / 1e9
 
         figures["replication_gbps"] = repeat(replication, args.repeats)
@@ -140,11 +151,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "replication_vs_link": {"ratio": figures["replication_gbps"]["median"] / link, "target": "(information)"},
         "remote_restore_vs_link": {"ratio": figures["remote_restore_gbps"]["median"] / link, "target": "(information)"},
     }
-    print_table([
-        ("raw_tcp_gbps (baseline)", figures["raw_tcp_gbps"], f"link {link:.3f} GB/s"),
-        ("replication_gbps", figures["replication_gbps"], f"{checks['replication_vs_raw_tcp']['ratio']:.2f}x raw TCP"),
-        ("remote_restore_gbps", figures["remote_restore_gbps"], f"{checks['remote_restore_vs_raw_tcp']['ratio']:.2f}x raw TCP"),
-    ], "GB/s")
+    print_table(
+        [
+            ("raw_tcp_gbps (baseline)", figures["raw_tcp_gbps"], f"link {link:.3f} GB/s"),
+            ("replication_gbps", figures["replication_gbps"], f"{checks['replication_vs_raw_tcp']['ratio']:.2f}x raw TCP"),
+            ("remote_restore_gbps", figures["remote_restore_gbps"], f"{checks['remote_restore_vs_raw_tcp']['ratio']:.2f}x raw TCP"),
+        ],
+        "GB/s",
+    )
     config = {"rate": args.rate, "link_gbps": link, "shard_mb": args.mb, "chunk_kb": args.chunk_kb, "repeats": args.repeats}
     path = write_results(args.out, figures, config, checks, args.results_dir)
     print(f"wrote {path}")

@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, cpu_by_thread, print_table, ratio, summary, write_results  # noqa: E402
 from bench.overhead import Loop  # noqa: E402
-from statestore.checksum import checksum  # noqa: E402
+from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
+from statestore.protocol.checksum import checksum  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
-from trainer_client.local_cluster import LocalCluster  # noqa: E402
 from trainer_client.state_codec import encode  # noqa: E402
 
 
@@ -131,8 +131,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     nbytes = sum(enc.stream_nbytes.values())
     samples["floor_ms"] = [_floor_ms(nbytes, max(20, args.saves // 4)) for _ in range(args.repeats)]
     figures = {k: summary(v) for k, v in samples.items()}
-    checks = {"total_vs_floor": {"ratio": ratio(figures["total_ms"], figures["floor_ms"]), "target": "(reported: 1.0 would be a save that only copies and checksums)"}}
-    out = write_results(args.out, figures, {"saves": args.saves, "gap_ms": args.gap_ms, "repeats": args.repeats, "state_bytes": nbytes, "copy_threads": args.copy_threads}, checks, args.results_dir)
+    checks = {
+        "total_vs_floor": {
+            "ratio": ratio(figures["total_ms"], figures["floor_ms"]),
+            "target": "(reported: 1.0 would be a save that only copies and checksums)",
+        }
+    }
+    out = write_results(
+        args.out,
+        figures,
+        {"saves": args.saves, "gap_ms": args.gap_ms, "repeats": args.repeats, "state_bytes": nbytes, "copy_threads": args.copy_threads},
+        checks,
+        args.results_dir,
+    )
     print_table([(k, v, "") for k, v in figures.items()], "CPU ms per save")
     print(f"  total / floor {checks['total_vs_floor']['ratio']:.2f}")
     print(f"wrote {out}")

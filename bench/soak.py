@@ -39,10 +39,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _faults  # noqa: E402
 from bench._common import RESULTS  # noqa: E402
-from trainer_client.job_runner import LocalJobs  # noqa: E402
-from trainer_client.torchrun import TorchrunNode, descendants  # noqa: E402
+from ffplane_harness.job_runner import LocalJobs  # noqa: E402
+from ffplane_harness.torchrun import TorchrunNode  # noqa: E402
+from trainer_client.warm_start import descendants  # noqa: E402
 
-KINDS = ("worker_kill", "daemon_kill", "node_loss", "link_cut", "dataserver_restart", "corrupt_copy", "damage_index", "successor_unreachable")
+KINDS = (
+    "worker_kill",
+    "daemon_kill",
+    "node_loss",
+    "link_cut",
+    "dataserver_restart",
+    "corrupt_copy",
+    "damage_index",
+    "successor_unreachable",
+)
 JOB, REFERENCE = "soak", "reference"
 
 
@@ -148,9 +158,17 @@ class Soak(LocalJobs):
                 states = []
             lags = [
                 r["committed"] - r["replicated"] if r["replicated"] is not None else None
-                for st in states if st and st["successor"] is not None for key, r in st["roles"].items() if key.startswith(f"{JOB}/")
+                for st in states
+                if st and st["successor"] is not None
+                for key, r in st["roles"].items()
+                if key.startswith(f"{JOB}/")
             ]
-            if len(states) == len(self.placement) and all(st and st["successor"] for st in states) and lags and all(lag is not None and lag <= 1 for lag in lags):
+            if (
+                len(states) == len(self.placement)
+                and all(st and st["successor"] for st in states)
+                and lags
+                and all(lag is not None and lag <= 1 for lag in lags)
+            ):
                 return
             time.sleep(0.2)
         print("  redundancy not back within 60 s; injecting anyway", flush=True)
@@ -251,7 +269,9 @@ class Soak(LocalJobs):
             # the newest step done when the failure hit (training went on while it was chosen)
             done_before = max(self.saved_steps(started, JOB, until=failed_at).values())
             rec = {
-                "kind": kind, "recovered": recovered, "saved_before": done_before,
+                "kind": kind,
+                "recovered": recovered,
+                "saved_before": done_before,
                 "restored_step": restored[0]["step"] if restored else None,
                 "steps_lost": done_before - restored[0]["step"] if restored else 0,
                 "seconds_to_progress": round(time.time() - failed_at, 2),
@@ -301,15 +321,22 @@ class Soak(LocalJobs):
             "by_kind": dict(Counter(r["kind"] for r in recs)),
             "recovered": sum(r["recovered"] for r in recs),
             "unrecoverable": sum(not r["recovered"] for r in recs),
-            "lost_steps": {"total": sum(r["steps_lost"] for r in recs), "max": max((r["steps_lost"] for r in recs), default=0),
-                           "by_kind": {k: max(r["steps_lost"] for r in recs if r["kind"] == k) for k in {r["kind"] for r in recs}}},
-            "data_exactly_once": exactly_once, "data_detail": detail,
-            "bitwise_equal": bitwise, "steps": self.steps, "records": recs,
+            "lost_steps": {
+                "total": sum(r["steps_lost"] for r in recs),
+                "max": max((r["steps_lost"] for r in recs), default=0),
+                "by_kind": {k: max(r["steps_lost"] for r in recs if r["kind"] == k) for k in {r["kind"] for r in recs}},
+            },
+            "data_exactly_once": exactly_once,
+            "data_detail": detail,
+            "bitwise_equal": bitwise,
+            "steps": self.steps,
+            "records": recs,
         }
 
     def data_exactly_once(self) -> tuple[bool, str]:
         """The batch each rank trained on at each step of the final history (the last time that
         step was served) is the failure-free run's, and every step is there once."""
+
         def history(job: str) -> dict[tuple[int, int], str]:
             last: dict[tuple[int, int], str] = {}
             for e in self.events(job):
@@ -345,7 +372,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(kinds) - set(KINDS)
     if unknown:
         ap.error(f"unknown kinds {sorted(unknown)}; choose from {','.join(KINDS)}")
-    steps = args.steps or 21 * args.failures + 60  # 16.7 steps per failure in a 192-failure run of all eight kinds, redundancy awaited between failures
+    steps = (
+        args.steps or 21 * args.failures + 60
+    )  # 16.7 steps per failure in a 192-failure run of all eight kinds, redundancy awaited between failures
     work = Path(tempfile.mkdtemp(prefix="ffplane-soak-"))
     soak = Soak(work, steps, args.seed)
     ok = False

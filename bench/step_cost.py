@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, print_table, ratio, write_results  # noqa: E402
-from trainer_client.job_runner import LocalJobs  # noqa: E402
+from ffplane_harness.job_runner import LocalJobs  # noqa: E402
 
 PLAIN = Path(__file__).resolve().parent / "_plain_job.py"
 ABLATE = Path(__file__).resolve().parent / "_ablate_job.py"
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         jobs.prepare([], rows=8192)
         runs = 0
         for r in range(args.repeats):
-            for v in variants[r % len(variants):] + variants[: r % len(variants)]:  # rotate: drift hits all alike
+            for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotate: drift hits all alike
                 runs += 1
                 t = time.monotonic()
                 samples[v].append(steps_per_min(jobs, v, f"run{runs}"))
@@ -85,9 +85,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ.pop("FFPLANE_ABLATE", None)
         jobs.close()
         shutil.rmtree(work, ignore_errors=True)
-    figures = {f"steps_per_min_{v}": {"min": min(s), "median": statistics.median(s), "max": max(s), "samples": s} for v, s in samples.items()}
+    figures = {
+        f"steps_per_min_{v}": {"min": min(s), "median": statistics.median(s), "max": max(s), "samples": s} for v, s in samples.items()
+    }
     base = figures["steps_per_min_plain"]
-    checks = {f"{v}_vs_plain": {"ratio": ratio(figures[f"steps_per_min_{v}"], base), "target": "(reported)"} for v in variants if v != "plain"}
+    checks = {
+        f"{v}_vs_plain": {"ratio": ratio(figures[f"steps_per_min_{v}"], base), "target": "(reported)"} for v in variants if v != "plain"
+    }
     config = {"nodes": 2, "workers_per_node": 2, "steps": args.steps, "repeats": args.repeats, "launcher": "torchrun (c10d, one per node)"}
     path = write_results(args.out, figures, config, checks, args.results_dir)
     print_table([(k, v, "(baseline)" if k.endswith("plain") else f"{ratio(v, base):.2f} x plain") for k, v in figures.items()], "steps/min")

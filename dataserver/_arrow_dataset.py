@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from dataserver._row_gather import RowGather
 from dataserver.catalog import Dataset, DatasetError
-from trainer_client.pagemap import populate_read
+from dataserver.protocol.pagemap import populate_read
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "ffplane.arrow/1"
@@ -68,9 +68,7 @@ class ArrowDataset(Dataset):
         except (OSError, ValueError) as exc:
             raise DatasetError(f"{root / MANIFEST_NAME}: unreadable manifest: {exc}") from exc
         if manifest.get("format") != FORMAT:
-            raise DatasetError(
-                f"{root / MANIFEST_NAME}: format {manifest.get('format')!r}, expected {FORMAT!r}"
-            )
+            raise DatasetError(f"{root / MANIFEST_NAME}: format {manifest.get('format')!r}, expected {FORMAT!r}")
         self.manifest = manifest
         self._chunks: list[pa.RecordBatch] = []
         views: list[dict[str, np.ndarray]] = []  # per chunk: fixed-width columns as (rows, width)
@@ -91,21 +89,11 @@ class ArrowDataset(Dataset):
             for i in range(reader.num_record_batches):
                 chunk = reader.get_batch(i)
                 self._chunks.append(chunk)
-                views.append(
-                    {
-                        f.name: v
-                        for f, col in zip(chunk.schema, chunk.columns)
-                        if (v := fixed_width_view(col)) is not None
-                    }
-                )
+                views.append({f.name: v for f, col in zip(chunk.schema, chunk.columns) if (v := fixed_width_view(col)) is not None})
         if schema is None:
             raise DatasetError(f"{root}: the manifest lists no shards")
         self.schema = schema
-        self._gathers = {
-            f.name: RowGather([v[f.name] for v in views])
-            for f in schema
-            if all(f.name in v for v in views)
-        }
+        self._gathers = {f.name: RowGather([v[f.name] for v in views]) for f in schema if all(f.name in v for v in views)}
         total = sum(int(s["bytes"]) for s in manifest["shards"])
         if total <= populate_limit:
             # Page-table population of a dataset that fits in memory, once, in the background,
@@ -119,9 +107,7 @@ class ArrowDataset(Dataset):
         self._offsets = np.cumsum([0] + [len(c) for c in self._chunks]).astype(np.int64)
         self.num_samples = int(self._offsets[-1])
         if self.num_samples != manifest["num_samples"]:
-            raise DatasetError(
-                f"{root}: shards hold {self.num_samples} rows, manifest says {manifest['num_samples']}"
-            )
+            raise DatasetError(f"{root}: shards hold {self.num_samples} rows, manifest says {manifest['num_samples']}")
 
     def _populate(self, regions: list[tuple[int, int]]) -> None:
         for address, size in regions:
@@ -150,13 +136,8 @@ class ArrowDataset(Dataset):
             arrays.append(self._gather_generic(col_i, idx, groups))
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
-    def _gather_generic(
-        self, col_i: int, idx: np.ndarray, groups: list[tuple[int, np.ndarray]]
-    ) -> pa.Array:
-        parts = [
-            self._chunks[c].column(col_i).take(pa.array(idx[rows] - self._offsets[c]))
-            for c, rows in groups
-        ]
+    def _gather_generic(self, col_i: int, idx: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> pa.Array:
+        parts = [self._chunks[c].column(col_i).take(pa.array(idx[rows] - self._offsets[c])) for c, rows in groups]
         if len(parts) == 1:
             return parts[0]
         order = np.concatenate([rows for _, rows in groups])

@@ -34,9 +34,7 @@ class LmdbDataset(Dataset):
     def __init__(self, root: Path, name: str) -> None:
         self.name = name
         try:
-            self._env = lmdb.open(
-                str(root), readonly=True, lock=False, readahead=False, max_readers=512
-            )
+            self._env = lmdb.open(str(root), readonly=True, lock=False, readahead=False, max_readers=512)
         except lmdb.Error as exc:
             raise DatasetError(f"{root}: cannot open LMDB environment: {exc}") from exc
         with self._env.begin() as txn:

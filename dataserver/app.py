@@ -39,7 +39,7 @@ from dataserver.coordinator import (
     MembershipConflict,
     listen_udp,
 )
-from dataserver.httpserver import BearerAuth, BodyGuard, load_token
+from dataserver.httpserver import BearerAuth, BodyGuard
 from dataserver.jobs import (
     LAYOUT_LIMIT,
     SEED_LIMIT,
@@ -53,6 +53,7 @@ from dataserver.jobs import (
     JobSpec,
 )
 from dataserver.planner import Generation
+from dataserver.protocol.auth import load_token
 from dataserver.stream import MEDIA_TYPE, StepEncoder, WholeBody, encode_steps
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,9 @@ def _broken_view(broken: BrokenJob) -> JobView:
         dataset={"name": spec.dataset} if spec is not None else None,
         seed=spec.seed if spec is not None else None,
         max_steps=spec.max_steps if spec is not None else None,
-        generations=[GenerationView(start_step=g.start_step, dp=g.dp, batch_per_rank=g.batch_per_rank) for g in spec.generations] if spec is not None else [],
+        generations=[GenerationView(start_step=g.start_step, dp=g.dp, batch_per_rank=g.batch_per_rank) for g in spec.generations]
+        if spec is not None
+        else [],
         served_step=None,
         broken=broken.reason,
     )
@@ -275,7 +278,10 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     async def answers(address: str) -> bool:
         """Whether a daemon's peer port answers the coordinator (its health check, within 1.5 s)."""
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_PROBE_S)) as session, session.get(f"{address}/v1/health") as resp:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_PROBE_S)) as session,
+                session.get(f"{address}/v1/health") as resp,
+            ):
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return False
@@ -304,7 +310,9 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         names = jobs.load(num_samples_of)
-        log.info("dataserver ready", extra={"datasets": catalog.names(), "jobs": names, "broken_jobs": sorted(set(jobs.names()) - set(names))})
+        log.info(
+            "dataserver ready", extra={"datasets": catalog.names(), "jobs": names, "broken_jobs": sorted(set(jobs.names()) - set(names))}
+        )
         sweeper = asyncio.create_task(sweep(), name="coordinator sweep")
         prober = asyncio.create_task(reprobe(), name="coordinator reprobe")
         udp = None
@@ -383,7 +391,13 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         except (DatasetError, OSError) as exc:
             raise HTTPException(422, str(exc)) from exc
 
-    @app.post("/v1/jobs", status_code=201, dependencies=needs_token, responses={200: {"model": JobView, "description": "the same job existed already"}, **_errors(401, 404, 409, 413, 422)}, openapi_extra=secured)
+    @app.post(
+        "/v1/jobs",
+        status_code=201,
+        dependencies=needs_token,
+        responses={200: {"model": JobView, "description": "the same job existed already"}, **_errors(401, 404, 409, 413, 422)},
+        openapi_extra=secured,
+    )
     def create_job(body: JobCreate, response: Response) -> JobView:
         try:
             dataset = catalog.get(body.dataset)
@@ -450,9 +464,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         except ValueError as exc:
             raise HTTPException(416, str(exc)) from exc
         if dp_rank >= gen.dp:
-            raise HTTPException(
-                416, f"dp_rank {dp_rank} out of range: step {step} has dp={gen.dp}"
-            )
+            raise HTTPException(416, f"dp_rank {dp_rank} out of range: step {step} has dp={gen.dp}")
         return gen
 
     @app.get("/v1/jobs/{name}/plan", responses=_errors(404, 409, 416, 422))
@@ -531,7 +543,13 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
 
     # Coordinator endpoints are async: they run on the event loop, one at a time, so membership
     # needs no lock (sync endpoints would run concurrently in the thread pool) and skip a thread hop.
-    @app.post("/v1/nodes/heartbeat", dependencies=needs_token, response_class=Response, responses={200: {"model": RingView}, **_errors(401, 409, 413, 422)}, openapi_extra=secured)
+    @app.post(
+        "/v1/nodes/heartbeat",
+        dependencies=needs_token,
+        response_class=Response,
+        responses={200: {"model": RingView}, **_errors(401, 409, 413, 422)},
+        openapi_extra=secured,
+    )
     async def heartbeat(body: Heartbeat, request: Request) -> Response:
         """A node daemon's full heartbeat: registers it, records its shard inventory and workers.
         Answers the ring view (ring, members' addresses, dead nodes, this node's successor) and
@@ -559,7 +577,9 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         if m.unreachable:
             return UnreachableAnswer(node_id=node_id, unreachable=True, detail="out of the ring already")
         if await answers(m.address):
-            return UnreachableAnswer(node_id=node_id, unreachable=False, detail=f"{m.address} answers the coordinator; the reporter's own link may be at fault")
+            return UnreachableAnswer(
+                node_id=node_id, unreachable=False, detail=f"{m.address} answers the coordinator; the reporter's own link may be at fault"
+            )
         coordinator.set_unreachable(node_id, True)
         log.warning("node reported unreachable and confirmed", extra={"node": node_id, "reporter": body.reporter, "address": m.address})
         return UnreachableAnswer(node_id=node_id, unreachable=True, detail=f"{m.address} does not answer; out of the ring until it does")
@@ -583,7 +603,14 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         m = coordinator.members.get(node_id)
         if m is None:
             raise HTTPException(404, f"unknown node {node_id!r}; it has never sent a heartbeat (or was dead long enough to be forgotten)")
-        return {"node_id": node_id, "address": m.address, "alive": m.alive, "silent_s": round(time.monotonic() - m.last_seen, 3), "http_beats": m.http_beats, "udp_beats": m.udp_beats}
+        return {
+            "node_id": node_id,
+            "address": m.address,
+            "alive": m.alive,
+            "silent_s": round(time.monotonic() - m.last_seen, 3),
+            "http_beats": m.http_beats,
+            "udp_beats": m.udp_beats,
+        }
 
     @app.get("/v1/jobs/{name}/status", responses=_errors(422))
     async def job_status(name: PathName) -> dict[str, Any]:

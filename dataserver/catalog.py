@@ -47,7 +47,7 @@ class Dataset(abc.ABC):
             "columns": {f.name: str(f.type) for f in self.schema},
         }
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a format without handles has nothing to release
         """Release file handles and mappings."""
 
 
@@ -63,8 +63,7 @@ def open_dataset(path: str | os.PathLike[str], name: str | None = None) -> Datas
     if (p / "data.mdb").is_file():
         return LmdbDataset(p, name)
     raise DatasetError(
-        f"{p} is not a dataset: expected {MANIFEST_NAME} (run `dataserver ingest ... --out {p}`) "
-        "or an LMDB environment (data.mdb)"
+        f"{p} is not a dataset: expected {MANIFEST_NAME} (run `dataserver ingest ... --out {p}`) or an LMDB environment (data.mdb)"
     )
 
 
@@ -79,9 +78,7 @@ class Catalog:
         self._sample_bytes: dict[str, int] = {}
 
     def names(self) -> list[str]:
-        return sorted(
-            d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(".")
-        )
+        return sorted(d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
 
     def known_sample_bytes(self, name: str) -> int | None:
         """``sample_bytes(name)`` if measured already (never blocks), else None."""

@@ -30,12 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--token-file", default=None, help="job bearer token (else $FFPLANE_TOKEN_FILE or $FFPLANE_TOKEN)")
     srv.add_argument("--ready-file", default=None, help="write {host,port,pid} JSON here once listening")
     srv.add_argument("--max-steps-per-request", type=int, default=d.max_steps_per_request)
-    srv.add_argument("--max-bytes-per-request", type=int, default=d.max_bytes_per_request, help="batch bytes (estimated from the dataset's size) one request may ask for; 413 above")
-    srv.add_argument("--max-samples-per-step", type=int, default=d.max_samples_per_step, help="largest dp x batch_per_rank a job or generation may have")
-    srv.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (job, heartbeat); 413 above, before it is read")
+    srv.add_argument("--max-bytes-per-request", type=int, default=d.max_bytes_per_request, help="batch bytes (estimated from the dataset's size) one request may ask for; 413 above")  # fmt: skip
+    srv.add_argument("--max-samples-per-step", type=int, default=d.max_samples_per_step, help="largest dp x batch_per_rank a job or generation may have")  # fmt: skip
+    srv.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (job, heartbeat); 413 above, before it is read")  # fmt: skip
     srv.add_argument("--dead-after-s", type=float, default=d.dead_after_s, help="declare a node dead after this much silence")
-    srv.add_argument("--forget-dead-after-s", type=float, default=d.forget_dead_after_s, help="forget a dead node (and its shard inventory) after this long")
-    srv.add_argument("--heartbeat-udp-port", type=int, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")
+    srv.add_argument("--forget-dead-after-s", type=float, default=d.forget_dead_after_s, help="forget a dead node (and its shard inventory) after this long")  # fmt: skip
+    srv.add_argument("--heartbeat-udp-port", type=int, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")  # fmt: skip
     srv.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -62,12 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from dataserver.app import MAX_COUNT, create_app
-    from dataserver.httpserver import (
-        die_with_parent_if_asked,
-        load_token,
-        serve,
-        setup_logging,
-    )
+    from dataserver.httpserver import die_with_parent_if_asked, serve, setup_logging
+    from dataserver.protocol.auth import load_token
 
     die_with_parent_if_asked()
     cfg_s = ServeConfig(

@@ -12,7 +12,7 @@ Two transports feed it (decisions.md, "Heartbeats: UDP liveness, HTTP registrati
   inventory, workers, exited workers. A daemon sends it to register (first beat, after a data
   server restart, after being declared dead), when a worker exited, or when UDP fails. Its answer
   is the whole ring view and the UDP port.
-* UDP datagrams (this module's wire format, HMAC-SHA256 with the job token): liveness of a node
+* UDP datagrams (``dataserver.protocol.heartbeat``, HMAC-SHA256 with the job token): liveness of a node
   registered over HTTP, plus — only when it changed — its inventory and workers as a compressed
   blob that is decoded only when someone asks for a job's status. The answer carries the ring
   view's version and, when the daemon's view is behind, the membership events it missed.
@@ -31,79 +31,37 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import hmac
 import ipaddress
 import json
 import logging
 import os
 import socket
-import struct
 import time
 import zlib
 from collections import OrderedDict
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from dataserver.protocol.heartbeat import (
+    KIND_INV,
+    STATUS_OK,
+    STATUS_STALE,
+    STATUS_UNKNOWN,
+    VIEW_CURRENT,
+    VIEW_EVENTS,
+    VIEW_FULL,
+    Answer,
+    Beat,
+    decode_inventory,
+    encode_events,
+)
+from dataserver.protocol.restorable import restorable_step
+
 log = logging.getLogger(__name__)
 
-# ---- UDP wire format (shared with statestore/heartbeat.py) -----------------------------------
-# A beat:   header | node id (utf-8) | payload (kind INV: zlib(JSON [inventory, workers])) | MAC
-# An answer: header | events (view EVENTS: JSON list of membership events) | MAC
-# MAC = HMAC-SHA256(job token, everything before it)[:16]. Integers are big-endian.
-BEAT_MAGIC = b"FFB1"
-ANSWER_MAGIC = b"FFA1"
-BEAT_HEADER = struct.Struct("!4sBB8sQQQQ")  # magic, kind, len(node id), session, counter, inventory version, view epoch, view version
-ANSWER_HEADER = struct.Struct("!4sBBQQQ")  # magic, status, view, counter (echoed), view epoch, view version
-MAC_BYTES = 16
-MAX_DATAGRAM = 8192  # bigger inventories go over HTTP
-MAX_INVENTORY_BYTES = 16 << 20  # decompressed
-KIND_BEAT, KIND_INV = 0, 1
-STATUS_OK, STATUS_UNKNOWN, STATUS_STALE = 0, 1, 2  # UNKNOWN: send a full HTTP heartbeat; STALE: resend the inventory
-VIEW_CURRENT, VIEW_EVENTS, VIEW_FULL = 0, 1, 2  # FULL: GET /v1/nodes/view
 _MAX_EVENTS = 1024  # membership events kept for view deltas
 _MAX_EVENT_BYTES = 6000  # larger deltas: the daemon fetches the whole view (~180 KB at 4,096 nodes)
 _VIEW_REFRESH_S = 0.1  # the encoded whole view is rebuilt at most this often (joins come in storms)
-
-
-def mac(key: bytes, data: bytes) -> bytes:
-    return hmac.digest(key, data, "sha256")[:MAC_BYTES]
-
-
-def encode_beat(key: bytes, kind: int, node_id: str, session: bytes, counter: int, inv_version: int, epoch: int, view_version: int, payload: bytes = b"") -> bytes:
-    nid = node_id.encode()
-    body = BEAT_HEADER.pack(BEAT_MAGIC, kind, len(nid), session, counter, inv_version, epoch, view_version) + nid + payload
-    return body + mac(key, body)
-
-
-def decode_answer(key: bytes, data: bytes) -> tuple[int, int, int, int, int, bytes] | None:
-    """(status, view, counter, epoch, version, events) of an authentic answer, else None."""
-    if len(data) < ANSWER_HEADER.size + MAC_BYTES or data[:4] != ANSWER_MAGIC:
-        return None
-    body = data[:-MAC_BYTES]
-    if not hmac.compare_digest(mac(key, body), data[-MAC_BYTES:]):
-        return None
-    _, status, view, counter, epoch, version = ANSWER_HEADER.unpack_from(body)
-    return status, view, counter, epoch, version, body[ANSWER_HEADER.size :]
-
-
-def encode_inventory(inventory: dict[str, Any], workers: list[dict[str, Any]]) -> bytes:
-    return zlib.compress(json.dumps([inventory, workers], separators=(",", ":"), sort_keys=True).encode(), 1)
-
-
-def _decode_inventory(raw: bytes) -> tuple[dict[str, dict[str, list[dict[str, Any]]]], list[dict[str, Any]]]:
-    d = zlib.decompressobj()
-    text = d.decompress(raw, MAX_INVENTORY_BYTES)
-    if d.unconsumed_tail or not d.eof:
-        raise ValueError("inventory too large or truncated")
-    inventory, workers = json.loads(text)
-    if not (
-        isinstance(inventory, dict)
-        and all(isinstance(roles, dict) and all(isinstance(vs, list) and all(isinstance(v, dict) for v in vs) for vs in roles.values()) for roles in inventory.values())
-        and isinstance(workers, list)
-        and all(isinstance(w, dict) for w in workers)
-    ):
-        raise ValueError("inventory or workers of the wrong shape")
-    return inventory, workers
 
 
 class AddressError(ValueError):
@@ -162,7 +120,24 @@ def address_key(address: str, client_host: str | None = None) -> tuple[str, int]
 
 
 class Member:
-    __slots__ = ("_inventory", "_raw", "_workers", "address", "address_key", "alive", "budget_bytes", "counter", "dead_since", "http_beats", "inv_version", "last_seen", "node_id", "session", "udp_beats", "unreachable")
+    __slots__ = (
+        "_inventory",
+        "_raw",
+        "_workers",
+        "address",
+        "address_key",
+        "alive",
+        "budget_bytes",
+        "counter",
+        "dead_since",
+        "http_beats",
+        "inv_version",
+        "last_seen",
+        "node_id",
+        "session",
+        "udp_beats",
+        "unreachable",
+    )
 
     def __init__(self, node_id: str, address: str, budget_bytes: int, last_seen: float) -> None:
         self.node_id = node_id
@@ -192,7 +167,7 @@ class Member:
         if raw is None:
             return
         try:
-            self._inventory, self._workers = _decode_inventory(raw)
+            self._inventory, self._workers = decode_inventory(raw)
         except (ValueError, TypeError, zlib.error) as exc:
             log.warning("malformed inventory datagram ignored", extra={"node": self.node_id, "error": str(exc)})
             self._inventory, self._workers = {}, []
@@ -209,7 +184,9 @@ class Member:
 
 
 class Coordinator:
-    def __init__(self, dead_after_s: float = 1.5, token: str | None = None, forget_after_s: float = 600.0, max_members: int = 1 << 16) -> None:
+    def __init__(
+        self, dead_after_s: float = 1.5, token: str | None = None, forget_after_s: float = 600.0, max_members: int = 1 << 16
+    ) -> None:
         self.dead_after_s = dead_after_s
         self.forget_after_s = forget_after_s  # a dead member is forgotten after this long
         self.max_members = max_members  # alive and not yet forgotten
@@ -308,30 +285,30 @@ class Coordinator:
             self.worker_exits.append({**w, "node": node_id, "at": time.time()})
         del self.worker_exits[:-256]
 
-    def beat(self, node_id: str, session: bytes, counter: int, kind: int, inv_version: int, payload: bytes, epoch: int, view_version: int) -> bytes | None:
-        """An authenticated UDP beat; returns the answer (without its MAC), or None to stay silent."""
-        m = self.members.get(node_id)
-        if m is None or not m.alive or m.session != session:
+    def beat(self, b: Beat) -> Answer | None:
+        """An authenticated UDP beat; returns the answer, or None to stay silent."""
+        m = self.members.get(b.node_id)
+        if m is None or not m.alive or m.session != b.session:
             self.stats["udp_unknown"] += 1
-            return ANSWER_HEADER.pack(ANSWER_MAGIC, STATUS_UNKNOWN, VIEW_CURRENT, counter, self.epoch, self.version)
-        if counter <= m.counter:
+            return Answer(STATUS_UNKNOWN, VIEW_CURRENT, b.counter, self.epoch, self.version)
+        if b.counter <= m.counter:
             self.stats["udp_replayed"] += 1
             return None
-        m.counter = counter
+        m.counter = b.counter
         self._seen(m, time.monotonic())
         m.udp_beats += 1
         self.stats["udp_beats"] += 1
         status = STATUS_OK
-        if kind == KIND_INV:
-            m.set_raw(payload)
-            m.inv_version = inv_version
+        if b.kind == KIND_INV:
+            m.set_raw(b.payload)
+            m.inv_version = b.inv_version
             self.stats["udp_inventories"] += 1
-        elif inv_version != m.inv_version:
+        elif b.inv_version != m.inv_version:
             status = STATUS_STALE
-        if epoch == self.epoch and view_version == self.version:
-            return ANSWER_HEADER.pack(ANSWER_MAGIC, status, VIEW_CURRENT, counter, self.epoch, self.version)
-        events = self._delta(view_version) if epoch == self.epoch else None
-        return ANSWER_HEADER.pack(ANSWER_MAGIC, status, VIEW_FULL if events is None else VIEW_EVENTS, counter, self.epoch, self.version) + (events or b"")
+        if b.epoch == self.epoch and b.view_version == self.version:
+            return Answer(status, VIEW_CURRENT, b.counter, self.epoch, self.version)
+        events = self._delta(b.view_version) if b.epoch == self.epoch else None
+        return Answer(status, VIEW_FULL if events is None else VIEW_EVENTS, b.counter, self.epoch, self.version, events or b"")
 
     def _delta(self, since: int) -> bytes | None:
         """The encoded events from view version ``since`` to now, or None if gone or too big."""
@@ -339,7 +316,7 @@ class Coordinator:
             return self._deltas[since]
         out = None
         if self._events_base <= since < self.version:
-            out = json.dumps(self._events[since - self._events_base :], separators=(",", ":")).encode()
+            out = encode_events(self._events[since - self._events_base :])
             if len(out) > _MAX_EVENT_BYTES:
                 out = None
         self._deltas[since] = out
@@ -437,7 +414,13 @@ class Coordinator:
         if self._view_head is None or (self._view_version != self.version and now - self._view_built >= _VIEW_REFRESH_S):
             self._view_built, self._view_version = now, self.version
             ring = self._ring
-            head = {"epoch": self.epoch, "version": self.version, "ring": ring, "members": {n: self.members[n].address for n in ring}, "dead": self.dead()}
+            head = {
+                "epoch": self.epoch,
+                "version": self.version,
+                "ring": ring,
+                "members": {n: self.members[n].address for n in ring},
+                "dead": self.dead(),
+            }
             self._view_head = json.dumps(head, separators=(",", ":")).encode()[:-1]
         succ = self.successor(node_id) if node_id else None
         tail = {"successor": succ, "successor_address": self.members[succ].address if succ else None, "udp_port": self.udp_port}
@@ -469,14 +452,18 @@ class Coordinator:
                     if m.alive and not m.unreachable:  # nobody can pull from an unreachable node
                         locations.setdefault(role, {}).setdefault(step, []).append(m.node_id)
                     expected |= set(peers)
-        restorable = None
-        if expected and expected <= set(locations):
-            common = set.intersection(*(set(locations[r]) for r in expected))
-            restorable = max(common) if common else None
+        restorable = restorable_step(locations, expected)
         return {
             "job": job,
             "members": {
-                n: {"address": m.address, "alive": m.alive and not m.unreachable, "unreachable": m.unreachable, "budget_bytes": m.budget_bytes, "workers": m.workers, "silent_s": round(time.monotonic() - m.last_seen, 3)}
+                n: {
+                    "address": m.address,
+                    "alive": m.alive and not m.unreachable,
+                    "unreachable": m.unreachable,
+                    "budget_bytes": m.budget_bytes,
+                    "workers": m.workers,
+                    "silent_s": round(time.monotonic() - m.last_seen, 3),
+                }
                 for n, m in sorted(self.members.items())
             },
             "ring": self.ring(),
@@ -501,25 +488,13 @@ class HeartbeatProtocol(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)  # uvloop's is not a subclass
 
     def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
-        c = self.coordinator
-        n = len(data)
-        if n < BEAT_HEADER.size + MAC_BYTES or n > MAX_DATAGRAM or data[:4] != BEAT_MAGIC:
-            c.stats["udp_rejected"] += 1
+        beat = Beat.decode(self.key, data)
+        if beat is None:
+            self.coordinator.stats["udp_rejected"] += 1
             return
-        body = data[:-MAC_BYTES]
-        if not hmac.compare_digest(hmac.digest(self.key, body, "sha256")[:MAC_BYTES], data[-MAC_BYTES:]):
-            c.stats["udp_rejected"] += 1
-            return
-        _, kind, idlen, session, counter, inv_version, epoch, view_version = BEAT_HEADER.unpack_from(body)
-        end = BEAT_HEADER.size + idlen
-        try:
-            node_id = body[BEAT_HEADER.size : end].decode()
-        except UnicodeDecodeError:
-            c.stats["udp_rejected"] += 1
-            return
-        answer = c.beat(node_id, session, counter, kind, inv_version, body[end:], epoch, view_version)
+        answer = self.coordinator.beat(beat)
         if answer is not None and self.transport is not None:
-            self.transport.sendto(answer + hmac.digest(self.key, answer, "sha256")[:MAC_BYTES], addr)
+            self.transport.sendto(answer.encode(self.key), addr)
 
     def error_received(self, exc: Exception) -> None:  # e.g. an ICMP error for an earlier answer
         pass
@@ -542,5 +517,8 @@ async def listen_udp(coordinator: Coordinator, host: str, port: int, rcvbuf: int
         raise SystemExit(f"cannot listen for UDP heartbeats on {host}:{port}: {exc}") from exc
     transport, _ = await loop.create_datagram_endpoint(lambda: HeartbeatProtocol(coordinator), sock=sock)
     coordinator.udp_port = sock.getsockname()[1]
-    log.info("listening for UDP heartbeats", extra={"host": host, "port": coordinator.udp_port, "rcvbuf": sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)})
+    log.info(
+        "listening for UDP heartbeats",
+        extra={"host": host, "port": coordinator.udp_port, "rcvbuf": sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)},
+    )
     return transport

@@ -17,16 +17,13 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import HTTPException, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-TOKEN_ENV = "FFPLANE_TOKEN"
 DIE_WITH_PARENT_ENV = "FFPLANE_DIE_WITH_PARENT"
-TOKEN_FILE_ENV = "FFPLANE_TOKEN_FILE"
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -67,20 +64,6 @@ def setup_logging(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-
-
-def load_token(token_file: str | None = None) -> str | None:
-    """The job's bearer token: ``token_file``, else ``$FFPLANE_TOKEN_FILE``, else ``$FFPLANE_TOKEN``."""
-    path = token_file or os.environ.get(TOKEN_FILE_ENV)
-    if path:
-        try:
-            token = Path(path).read_text().strip()
-        except OSError as exc:
-            raise SystemExit(f"cannot read the token file {path}: {exc}") from exc
-        if not token:
-            raise SystemExit(f"the token file {path} is empty")
-        return token
-    return os.environ.get(TOKEN_ENV) or None
 
 
 _NO_TOKEN = "this server has no token configured; set FFPLANE_TOKEN"

@@ -58,18 +58,13 @@ def _source_kind(path: Path) -> str:
     ):  # fmt: skip
         if name.endswith(suffix):
             return kind
-    raise IngestError(
-        f"{path}: unknown source type; expected .jsonl, .jsonl.gz, .parquet or .arrow/.feather"
-    )
+    raise IngestError(f"{path}: unknown source type; expected .jsonl, .jsonl.gz, .parquet or .arrow/.feather")
 
 
 def _check_columns(names: list[str], where: str) -> None:
     """Refuse a source whose records have no fields, or a field the server adds itself."""
     if not names:
-        raise IngestError(
-            f"{where}: the record has no fields; a dataset needs at least one column "
-            "(fix or drop the empty records)"
-        )
+        raise IngestError(f"{where}: the record has no fields; a dataset needs at least one column (fix or drop the empty records)")
     if SAMPLE_INDEX_COLUMN in names:
         raise IngestError(
             f"{where}: field {SAMPLE_INDEX_COLUMN!r} is reserved (the server adds it to every "
@@ -102,8 +97,7 @@ class _Normaliser:
                 arrays.append(col.cast(f.type))
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
                 raise IngestError(
-                    f"{where}: rows {first_row}..{first_row + len(batch) - 1}: column {f.name!r} "
-                    f"does not convert to {f.type}: {exc}"
+                    f"{where}: rows {first_row}..{first_row + len(batch) - 1}: column {f.name!r} does not convert to {f.type}: {exc}"
                 ) from exc
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
@@ -137,7 +131,6 @@ class _Normaliser:
         return pa.FixedSizeListArray.from_arrays(col.flatten(), width)
 
 
-
 def _read_lines(path: Path, stream: IO[bytes]) -> Iterator[tuple[int, bytes]]:
     """``(line number, line)``; a gzip stream that is not gzip, corrupt or cut short, or a read
     that fails, becomes an IngestError naming the line where reading stopped."""
@@ -151,13 +144,11 @@ def _read_lines(path: Path, stream: IO[bytes]) -> Iterator[tuple[int, bytes]]:
         except gzip.BadGzipFile as exc:
             what = "is not gzip data" if lineno == 0 else "is corrupt gzip data"
             raise IngestError(
-                f"{path}:{lineno + 1}: the file {what} ({exc}); recompress it, or drop the .gz "
-                "suffix if it is plain JSONL"
+                f"{path}:{lineno + 1}: the file {what} ({exc}); recompress it, or drop the .gz suffix if it is plain JSONL"
             ) from exc
         except (EOFError, zlib.error) as exc:
             raise IngestError(
-                f"{path}:{lineno + 1}: the gzip data is truncated or corrupt ({exc}); "
-                "re-create or re-download the file"
+                f"{path}:{lineno + 1}: the gzip data is truncated or corrupt ({exc}); re-create or re-download the file"
             ) from exc
         except OSError as exc:
             raise IngestError(f"{path}:{lineno + 1}: read failed: {exc}") from exc
@@ -165,9 +156,7 @@ def _read_lines(path: Path, stream: IO[bytes]) -> Iterator[tuple[int, bytes]]:
         yield lineno, line
 
 
-def _jsonl_batches(
-    path: Path, cfg: IngestConfig, bar: tqdm
-) -> Iterator[tuple[pa.RecordBatch, str, int]]:
+def _jsonl_batches(path: Path, cfg: IngestConfig, bar: tqdm) -> Iterator[tuple[pa.RecordBatch, str, int]]:
     try:
         raw = open(path, "rb")  # noqa: SIM115 - closed by the ``with`` below
     except OSError as exc:
@@ -255,9 +244,7 @@ def _first_big_int(value: Any, name: str = "") -> tuple[str, int] | None:
     return None
 
 
-def _columnar_batches(
-    path: Path, kind: str, bar: tqdm
-) -> Iterator[tuple[pa.RecordBatch, str, int]]:
+def _columnar_batches(path: Path, kind: str, bar: tqdm) -> Iterator[tuple[pa.RecordBatch, str, int]]:
     try:
         if kind == "parquet":
             pf = pq.ParquetFile(path)

@@ -102,7 +102,9 @@ class JobSpec:
         if set(raw) - _SPEC_KEYS or not {"name", "dataset", "dp", "batch_per_rank"} <= set(raw):
             raise JobError(f"the record has keys {sorted(raw)}, expected {sorted(_SPEC_KEYS)}")
         gens_raw = raw.get("generations", [])
-        if not isinstance(gens_raw, list) or not all(isinstance(g, dict) and set(g) == {"start_step", "dp", "batch_per_rank"} for g in gens_raw):
+        if not isinstance(gens_raw, list) or not all(
+            isinstance(g, dict) and set(g) == {"start_step", "dp", "batch_per_rank"} for g in gens_raw
+        ):
             raise JobError("the record's generations are not a list of {start_step, dp, batch_per_rank}")
         try:
             gens = [Generation(**g) for g in gens_raw]
@@ -166,7 +168,9 @@ class JobRegistry:
                 if isinstance(exc, UnicodeDecodeError | json.JSONDecodeError):
                     reason = f"{path}: not a JSON job record (torn or hand-edited?): {exc}"
                 self._broken[name] = BrokenJob(name, reason, spec)
-                log.warning("job record unusable; the job is marked broken and the others are served", extra={"job": name, "reason": reason})
+                log.warning(
+                    "job record unusable; the job is marked broken and the others are served", extra={"job": name, "reason": reason}
+                )
         return sorted(self._jobs)
 
     def _served_path(self, name: str) -> Path:
@@ -187,7 +191,10 @@ class JobRegistry:
         except FileNotFoundError:
             return None, False, None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("served-step file unreadable: generations of this job need replan_served", extra={"job": name, "path": str(path), "error": str(exc)})
+            log.warning(
+                "served-step file unreadable: generations of this job need replan_served",
+                extra={"job": name, "path": str(path), "error": str(exc)},
+            )
             return None, True, None
 
     def find(self, name: str) -> Job | None:
@@ -200,9 +207,7 @@ class JobRegistry:
         if job is None:
             broken = self._broken.get(name)
             if broken is not None:
-                raise JobBroken(
-                    f"job {name!r} is broken: {broken.reason}; fix or remove its record and restart the data server"
-                )
+                raise JobBroken(f"job {name!r} is broken: {broken.reason}; fix or remove its record and restart the data server")
             raise KeyError(f"unknown job {name!r}; create it with POST /v1/jobs")
         return job
 
@@ -221,9 +226,7 @@ class JobRegistry:
             if existing is not None:
                 if existing.spec.same_definition(spec):
                     return existing, False
-                raise JobConflict(
-                    f"job {spec.name!r} exists with a different definition; pick another name"
-                )
+                raise JobConflict(f"job {spec.name!r} exists with a different definition; pick another name")
             job = Job(spec, num_samples)
             self._persist(spec)
             self._jobs[spec.name] = job
@@ -245,8 +248,7 @@ class JobRegistry:
             last = spec.generations[-1]
             if start <= last.start_step:
                 raise JobConflict(
-                    f"a new generation must start after step {last.start_step} "
-                    f"(the current generation's start), got start_step={start}"
+                    f"a new generation must start after step {last.start_step} (the current generation's start), got start_step={start}"
                 )
             if committed_step is not None and start <= committed_step:
                 raise JobConflict(

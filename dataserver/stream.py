@@ -94,9 +94,7 @@ class StepEncoder:
         return list(self._sink.drain())
 
 
-def encode_steps(
-    dataset: Dataset, planner: Planner, dp_rank: int, steps: Iterable[int]
-) -> Iterator[bytes | memoryview]:
+def encode_steps(dataset: Dataset, planner: Planner, dp_rank: int, steps: Iterable[int]) -> Iterator[bytes | memoryview]:
     """Arrow IPC stream bytes for ``steps`` of ``dp_rank``, produced lazily, step by step."""
     encoder = StepEncoder(dataset, planner, dp_rank)
     for step in steps:

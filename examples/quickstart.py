@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import torch
 
 from dataserver.ingest import IngestConfig, ingest
+from ffplane_harness.local_cluster import LocalCluster
 from trainer_client import Checkpointer, DataLoader
-from trainer_client.local_cluster import LocalCluster
 
 VOCAB, SEQ, ROWS, STEPS = 512, 64, 4096, 40
 
@@ -69,9 +69,11 @@ def main() -> None:
             restored = Checkpointer("quickstart", socket_path=cluster.socket()).restore()  # as a restarted worker
             assert restored is not None
             same = all(torch.equal(a, b) for a, b in zip(restored.state["model"].values(), model.state_dict().values()))
-            print(f"restored step {restored.step} from {restored.source}: weights identical: {same}; "
-                  f"next batch would be step {restored.state['loader']['next_step']} "
-                  f"(save blocked {ckpt.last_save_block_s * 1e3:.2f} ms)")
+            print(
+                f"restored step {restored.step} from {restored.source}: weights identical: {same}; "
+                f"next batch would be step {restored.state['loader']['next_step']} "
+                f"(save blocked {ckpt.last_save_block_s * 1e3:.2f} ms)"
+            )
             cache = json.loads(urllib.request.urlopen(daemon.url + "/v1/cache").read())
             s = cache["streams"][0]
             print(f"daemon cache: steps {s['steps']} hits {s['hits']} misses {s['misses']} fetched {s['fetched']}")

@@ -17,8 +17,8 @@ def _parser() -> argparse.ArgumentParser:
     d = DaemonConfig(dataserver="")
     srv.add_argument("--dataserver", required=True, help="data server base URL, e.g. http://127.0.0.1:8470")
     srv.add_argument("--root", type=Path, default=d.root, help="tmpfs directory for caches, slots and the index")
-    srv.add_argument("--host", default="", help="address the ops and peer HTTP API listens on (default: 127.0.0.1 when the data server is on loopback, else the advertised address)")
-    srv.add_argument("--advertise-address", default="", help="address other nodes' daemons reach this one at (default: this host's address on the route to the data server; never loopback or 0.0.0.0 across hosts)")
+    srv.add_argument("--host", default="", help="address the ops and peer HTTP API listens on (default: 127.0.0.1 when the data server is on loopback, else the advertised address)")  # fmt: skip
+    srv.add_argument("--advertise-address", default="", help="address other nodes' daemons reach this one at (default: this host's address on the route to the data server; never loopback or 0.0.0.0 across hosts)")  # fmt: skip
     srv.add_argument("--port", type=int, default=d.port, help="ops HTTP port (0 picks one; see --ready-file)")
     srv.add_argument("--budget-mb", type=int, default=d.budget_bytes >> 20, help="shared memory this daemon may use")
     srv.add_argument("--window", type=int, default=d.window, help="steps prefetched ahead per dp rank")
@@ -26,12 +26,12 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--fetch-concurrency", type=int, default=d.fetch_concurrency)
     srv.add_argument("--fetch-retry-s", type=float, default=d.fetch_retry_s)
     srv.add_argument("--durable-dir", type=Path, default=None, help="directory of the durable tier (safetensors + JSON)")
-    srv.add_argument("--durable-every", type=int, default=d.durable_every, help="copy committed shards to --durable-dir every N steps (0 = off)")
+    srv.add_argument("--durable-every", type=int, default=d.durable_every, help="copy committed shards to --durable-dir every N steps (0 = off)")  # fmt: skip
     srv.add_argument("--node-id", default="", help="this node's name in the ring (default: host name)")
     srv.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)
     srv.add_argument("--no-replicate", action="store_true", help="do not push commits to the ring successor")
-    srv.add_argument("--replica-max-lag", type=int, default=d.replica_max_lag, help="a commit is answered once the ring successor holds the version this many commits back, counting itself (1 = itself); that push passes the link gate (0 = off: replication always waits for an idle link)")
-    srv.add_argument("--replica-wait-s", type=float, default=d.replica_wait_s, help="longest a commit answer waits for that replica (then logged)")
+    srv.add_argument("--replica-max-lag", type=int, default=d.replica_max_lag, help="a commit is answered once the ring successor holds the version this many commits back, counting itself (1 = itself); that push passes the link gate (0 = off: replication always waits for an idle link)")  # fmt: skip
+    srv.add_argument("--replica-wait-s", type=float, default=d.replica_wait_s, help="longest a commit answer waits for that replica (then logged)")  # fmt: skip
     g = d.gate
     srv.add_argument("--gate-rate-cap-mbit", type=float, default=0.0, help="cap on all STATE traffic, Mbit/s (0 = none)")
     srv.add_argument("--gate-iface", default=g.iface, help="training NIC whose byte counters close the gate (default: off)")
@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from dataserver.httpserver import die_with_parent_if_asked, load_token, serve, setup_logging
+    from dataserver.httpserver import die_with_parent_if_asked, serve, setup_logging
+    from dataserver.protocol.auth import load_token
     from statestore.daemon import Daemon, create_app
     from statestore.shm import ShmError
 
@@ -88,10 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ShmError, ValueError) as exc:
         print(f"statestore serve: error: {exc}", file=sys.stderr)
         return 2
+
     def bound(port: int) -> None:
         daemon.address = f"http://{cfg.advertised_url}:{port}"
 
-    serve(create_app(daemon), cfg.host, cfg.port, cfg.ready_file, on_bound=bound, socket=str(cfg.socket_path), root=str(cfg.root), node_id=cfg.node_id, advertise=cfg.advertise_address)
+    serve(
+        create_app(daemon),
+        cfg.host,
+        cfg.port,
+        cfg.ready_file,
+        on_bound=bound,
+        socket=str(cfg.socket_path),
+        root=str(cfg.root),
+        node_id=cfg.node_id,
+        advertise=cfg.advertise_address,
+    )
     return 0
 
 

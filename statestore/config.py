@@ -9,9 +9,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from statestore.link_gate import GateConfig
-
-DEFAULT_ROOT = Path("/dev/shm/ffplane")
-SOCKET_NAME = "daemon.sock"
+from statestore.protocol.files import DEFAULT_ROOT, SOCKET_NAME
 
 
 @dataclass
@@ -78,12 +76,9 @@ class DaemonConfig:
             self.node_id = socket.gethostname()
 
     def validate(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.keep_consumed < 0:
-            raise ValueError(f"keep_consumed must be >= 0, got {self.keep_consumed}")
-        if self.fetch_concurrency < 1:
-            raise ValueError(f"fetch_concurrency must be >= 1, got {self.fetch_concurrency}")
+        for name, least in (("window", 1), ("keep_consumed", 0), ("fetch_concurrency", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if self.durable_every < 0 or (self.durable_every and self.durable_dir is None):
             raise ValueError("durable_every needs durable_dir and must be >= 0")
         self.gate.validate()
@@ -117,4 +112,6 @@ def _route_to(host: str) -> str:
             probe.connect(addr)
             return str(probe.getsockname()[0])
     except OSError as exc:
-        raise ValueError(f"cannot find this host's address on the route to the data server {host!r} ({exc}); pass --advertise-address") from exc
+        raise ValueError(
+            f"cannot find this host's address on the route to the data server {host!r} ({exc}); pass --advertise-address"
+        ) from exc

@@ -1,35 +1,15 @@
-"""The local control channel between workers and the daemon: one Unix socket, JSON lines.
+"""The daemon's side of the control socket (the protocol: ``statestore.protocol.control``).
 
-A per-batch HTTP request would cost more than the batch lookup itself; a Unix-socket round trip
-costs tens of microseconds. The socket is created mode 0600 inside the daemon's root, so only the
-node's training user reaches it. Requests and replies are single JSON lines:
-
-* ``{"op": "open", "job": J, "dp_rank": r, "token": T?}`` → ``{"ok": true, "root": R, "steps":
-  D}``: this connection reads dp rank ``r`` of job ``J`` (``token`` lets the daemon fetch for that
-  job); cached step ``s`` is published as ``<R>/<D>/<s:012d>.arrow``;
-* ``{"op": "get", "step": s}`` → ``{"ok": true, "path": P, "nbytes": n, "hit": bool}`` once step
-  ``s`` is cached at ``<root>/P``; or ``{"ok": false, "status": 416, "error": "..."}``.
-
-The connection's last ``get`` is the reader's position: it drives prefetch and eviction. Closing
-the connection (a crashed worker included) removes the reader but keeps its cached steps.
-
-State requests (``Checkpointer``): ``alloc`` (a role's slots), ``begin`` (a slot for a step),
-``commit`` (checksum and record it; the reply carries ``next``, the slot reserved for the role's
-next save, so a steady-state save is this one request, sent without waiting for its reply;
-``static`` names the header's unchanging part, sent as ``static_header`` only when it changes),
-``abort``, ``restorable`` and ``verify``.
-
-A reader may map a published step file without waiting: it sends ``get`` and reads the reply
-later (replies come in request order). Published files never change, so the bytes are the same
-either way, and the daemon still sees every position; the reader saves the round trip's wait
-and, on a 2-core node, the context switches that came with it.
+A reader may map a published step file without waiting: it sends ``Get`` and reads the reply
+later. Published files never change, so the bytes are the same either way, and the daemon still
+sees every position; the reader saves the round trip's wait and, on a 2-core node, the context
+switches that came with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import socket
@@ -37,15 +17,15 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from statestore.data_cache import DataCache, FetchError, Stream
+from dataserver.protocol.errors import FFPlaneError
+from statestore.data_cache import DataCache, Stream
 from statestore.heartbeat import Heartbeat
-from statestore.names import check_name, check_step
 from statestore.procs import alive
+from statestore.protocol import control as proto
+from statestore.slots import RESERVED
 from statestore.state_service import StateService
-from statestore.slots import RESERVED, SlotError
 
 log = logging.getLogger(__name__)
-_MAX_LINE = 64 << 20  # a commit carries the shard header (one entry per tensor)
 _reader_ids = itertools.count(1)
 
 
@@ -60,7 +40,7 @@ class ControlServer:
 
     async def start(self) -> None:
         self.path.unlink(missing_ok=True)  # a socket file left by a killed daemon
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=_MAX_LINE)
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=proto.MAX_LINE)
         os.chmod(self.path, 0o600)
 
     async def close(self) -> None:
@@ -76,22 +56,19 @@ class ControlServer:
         try:
             while line := await reader.readline():
                 try:
-                    msg = json.loads(line)
-                    if not isinstance(msg, dict):
-                        raise ValueError("expected a JSON object")
-                    reply = await self._handle(rid, msg, conn)
+                    out = proto.encode(await self._handle(rid, proto.decode_request(line), conn))
                 except (ValueError, KeyError, TypeError) as exc:
-                    reply = {"ok": False, "status": 400, "error": f"bad request: {exc}"}
-                except (FetchError, SlotError) as exc:
-                    reply = {"ok": False, "status": exc.status, "error": str(exc)}
+                    out = proto.encode_error(FFPlaneError(f"bad request: {exc}", 400))
+                except FFPlaneError as exc:
+                    out = proto.encode_error(exc)
                 except Exception as exc:  # noqa: BLE001 - answer it; a dropped connection explains nothing
-                    log.exception("control request failed", extra={"op": msg.get("op") if isinstance(msg, dict) else None})
-                    reply = {"ok": False, "status": 500, "error": f"daemon error: {exc!r}"}
-                writer.write(json.dumps(reply).encode() + b"\n")
+                    log.exception("control request failed")
+                    out = proto.encode_error(FFPlaneError(f"daemon error: {exc!r}", 500))
+                writer.write(out)
                 await writer.drain()
         except (asyncio.LimitOverrunError, ValueError):  # a line over the limit: say so, then close
             try:
-                writer.write(json.dumps({"ok": False, "status": 413, "error": f"request line over {_MAX_LINE} bytes"}).encode() + b"\n")
+                writer.write(proto.encode_error(FFPlaneError(f"request line over {proto.MAX_LINE} bytes", 413)))
                 await writer.drain()
             except ConnectionError:
                 pass
@@ -120,85 +97,69 @@ class ControlServer:
                 return
             await asyncio.sleep(0.05)
 
-    async def _handle(self, rid: int, msg: dict[str, Any], conn: _Conn) -> dict[str, Any]:
-        op = msg.get("op")
-        if op == "open":
-            job, dp_rank = check_name(msg["job"]), int(msg["dp_rank"])
-            if dp_rank < 0:
-                raise ValueError(f"invalid dp_rank {dp_rank}")
-            if conn.stream is not None:
-                self.cache.detach(rid, conn.stream)
-            conn.stream = self.cache.attach(rid, job, dp_rank, msg.get("token"))
-            self._register(rid, conn, job=job, dp_rank=dp_rank)
-            log.info("reader attached", extra={"job": job, "dp_rank": dp_rank, "reader": rid})
-            return {"ok": True, "root": str(self.cache.config.root), "steps": str(conn.stream.directory.relative_to(self.cache.config.root))}
-        if op == "get":
+    async def _handle(self, rid: int, req: proto.Request, conn: _Conn) -> Any:
+        root = self.state.root
+        if isinstance(req, proto.Get):
             if conn.stream is None:
                 raise ValueError("send 'open' before 'get'")
-            step = int(msg["step"])
-            if step < 0:
-                raise ValueError(f"step must be >= 0, got {step}")
-            cached, hit = await self.cache.get(rid, conn.stream, step)
-            rel = str(cached.path.relative_to(self.cache.config.root))
-            return {"ok": True, "path": rel, "nbytes": cached.nbytes, "hit": hit}
-        if op == "invalidate":
+            cached, hit = await self.cache.get(rid, conn.stream, req.step)
+            return proto.GetReply(str(cached.path.relative_to(self.cache.config.root)), cached.nbytes, hit)
+        if isinstance(req, proto.Open):
+            if conn.stream is not None:
+                self.cache.detach(rid, conn.stream)
+            conn.stream = self.cache.attach(rid, req.job, req.dp_rank, req.token)
+            self._register(rid, conn, job=req.job, dp_rank=req.dp_rank)
+            log.info("reader attached", extra={"job": req.job, "dp_rank": req.dp_rank, "reader": rid})
+            return proto.OpenReply(str(self.cache.config.root), str(conn.stream.directory.relative_to(self.cache.config.root)))
+        if isinstance(req, proto.Invalidate):
             if conn.stream is None:
                 raise ValueError("send 'open' before 'invalidate'")
-            self.cache.invalidate(conn.stream, check_step(msg["step"]))
-            return {"ok": True}
-        if op == "alloc":
-            paths = await self.state.slots.alloc(check_name(msg["job"]), check_name(msg["role"]), int(msg["nbytes"]))
+            self.cache.invalidate(conn.stream, req.step)
+            return proto.Done()
+        if isinstance(req, proto.Alloc):
+            paths = await self.state.slots.alloc(req.job, req.role, req.nbytes)
             wait = self.state.replicator.wait_s if self.state.replicator is not None and self.state.replicator.max_lag > 0 else 0.0
-            return {"ok": True, "paths": [str(self.state.root / p) for p in paths], "commit_wait_s": wait}
-        if op == "begin":
-            job, role, step = check_name(msg["job"]), check_name(msg["role"]), check_step(msg["step"])
-            slot = self.state.begin(job, role, step)
-            self._register(rid, conn, job=job, role=role)
-            conn.writing.add((job, role, slot))
-            return {"ok": True, "slot": slot, "path": str(self.state.root / slot)}
-        if op == "abort":
-            job, role, slot = check_name(msg["job"]), check_name(msg["role"]), str(msg["slot"])
-            self.state.slots.abandon(job, role, slot)
-            conn.writing.discard((job, role, slot))
-            return {"ok": True}
-        if op == "commit":
-            job, role, slot = check_name(msg["job"]), check_name(msg["role"]), str(msg["slot"])
-            if not isinstance(msg.get("header"), dict):
-                raise ValueError("commit needs a JSON object 'header'")
-            static, static_header = str(msg.get("static", "")), msg.get("static_header")
-            if static_header is not None and not (isinstance(static_header, dict) and static):
-                raise ValueError("'static_header' must be a JSON object, sent with its digest 'static'")
+            return proto.AllocReply([str(root / p) for p in paths], wait)
+        if isinstance(req, proto.Begin):
+            slot = self.state.begin(req.job, req.role, req.step)
+            self._register(rid, conn, job=req.job, role=req.role)
+            conn.writing.add((req.job, req.role, slot))
+            return proto.Grant(slot, str(root / slot))
+        if isinstance(req, proto.Abort):
+            self.state.slots.abandon(req.job, req.role, req.slot)
+            conn.writing.discard((req.job, req.role, req.slot))
+            return proto.Done()
+        if isinstance(req, proto.Commit):
             version = await self.state.commit(
-                job, role, check_step(msg["step"]), slot, int(msg["nbytes"]), msg["header"], float(msg.get("save_block_s", 0.0)),
-                reserved=bool(msg.get("reserved", False)), static=check_name(static) if static else "", static_header=static_header,
+                req.job,
+                req.role,
+                req.step,
+                req.slot,
+                req.nbytes,
+                req.header,
+                req.save_block_s,
+                reserved=req.reserved,
+                static=req.static,
+                static_header=req.static_header,
             )
-            conn.writing.discard((job, role, slot))
-            return {"ok": True, "checksum": version.checksum, "next": self._reserve(job, role, conn)}
-        if op == "restorable":
-            below = msg.get("below")
-            roles, at = msg.get("roles"), msg.get("step")
-            found = await self.state.restorable(
-                check_name(msg["job"]), bool(msg.get("verify", True)), None if below is None else int(below),
-                None if roles is None else [check_name(r) for r in roles], None if at is None else check_step(at),
-            )
-            return {"ok": True, **found}
-        if op == "verify":
-            roles = msg.get("roles")
-            bad = await self.state.verify(check_name(msg["job"]), check_step(msg["step"]), None if roles is None else [check_name(r) for r in roles])
-            return {"ok": True, "intact": not bad, "corrupt": bad}
-        if op == "ping":
-            return {"ok": True}
-        raise ValueError(f"unknown op {op!r}; expected open, get, invalidate, alloc, begin, abort, commit, restorable, verify or ping")
+            conn.writing.discard((req.job, req.role, req.slot))
+            return proto.CommitReply(version.checksum, self._reserve(req.job, req.role, conn))
+        if isinstance(req, proto.Restorable):
+            return proto.RestorableReply(**await self.state.restorable(req.job, req.verify, req.below, req.roles, req.step))
+        if isinstance(req, proto.Verify):
+            bad = await self.state.verify(req.job, req.step, req.roles)
+            return proto.VerifyReply(not bad, bad)
+        return proto.Done()  # Ping
 
-    def _reserve(self, job: str, role: str, conn: _Conn) -> dict[str, str] | None:
+    def _reserve(self, job: str, role: str, conn: _Conn) -> proto.Grant | None:
         """The slot for this role's next save, handed out with the commit reply: the save then
         needs no ``begin`` round trip (see docs/decisions.md, "One request per save")."""
         try:
             slot = self.state.begin(job, role, RESERVED)
-        except SlotError:
+        except FFPlaneError:
             return None  # none free now (a durable copy holds it): the next save sends 'begin'
         conn.writing.add((job, role, slot))
-        return {"slot": slot, "path": str(self.state.root / slot)}
+        return proto.Grant(slot, str(self.state.root / slot))
 
     def _register(self, rid: int, conn: _Conn, **what: object) -> None:
         if self.heartbeat is not None:

@@ -15,27 +15,26 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 
+from dataserver.protocol.auth import bearer
+from dataserver.protocol.errors import CapacityError, FFPlaneError, TransportError, UnavailableError, error_from
 from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.index import Index
 from statestore.link_gate import LinkGate, Priority
+from statestore.protocol.files import step_file
 
 log = logging.getLogger(__name__)
 
 
-class FetchError(Exception):
-    """The data server refused a step (``status`` is its HTTP status) or could not be reached."""
-
-    def __init__(self, message: str, status: int = 502) -> None:
-        super().__init__(message)
-        self.status = status
+class _PutOff(UnavailableError):
+    """A prefetch that waits for room: a reader asking for it retries, as for a busy data server."""
 
 
 @dataclass
@@ -53,7 +52,7 @@ class Stream:
     readers: dict[int, int] = field(default_factory=dict)  # reader id → next step it needs
     ready: dict[int, CachedStep] = field(default_factory=dict)
     inflight: dict[int, asyncio.Future[CachedStep]] = field(default_factory=dict)
-    failed: dict[int, FetchError] = field(default_factory=dict)
+    failed: dict[int, FFPlaneError] = field(default_factory=dict)
     end_step: int | None = None  # first step the data server refused as out of range
     step_bytes: int = 0  # the size of the last step the data server announced
     hits: int = 0
@@ -112,21 +111,12 @@ async def _copy_body(resp: aiohttp.ClientResponse, fd: int, admit: Callable[[int
     return out.offset
 
 
-_PUT_OFF = 503  # a prefetch that waits for room: a reader asking for it retries, as for a busy data server
-
-
-def step_file(step: int) -> str:
-    """The published name of a cached step inside its stream's directory (part of the control
-    protocol: readers map it directly)."""
-    return f"{step:012d}.arrow"
-
-
 def _index_key(job: str, dp_rank: int, step: int) -> str:
     return f"data/{job}/{dp_rank}/{step:012d}"
 
 
 class DataCache:
-    def __init__(self, config: DaemonConfig, index: Index, token: str | None) -> None:
+    def __init__(self, config: DaemonConfig, index: Index, token: str | None, gate: LinkGate | None) -> None:
         self.config = config
         self.index = index
         self.token = token
@@ -137,7 +127,7 @@ class DataCache:
         self.other_bytes: Callable[[], int] = lambda: 0  # shared memory the state slots hold
         self._reserved = 0  # bytes of steps being written now
         self.peak_bytes = 0  # the most the cache ever held (or had reserved) at once: at most the budget
-        self.gate: LinkGate | None = None
+        self.gate = gate  # fetches wait at it (none: they never wait)
 
     # --- lifecycle -----------------------------------------------------------------------
     def reattach(self) -> tuple[int, int]:
@@ -220,7 +210,7 @@ class DataCache:
                 fut = stream.inflight.get(step) or self._start_fetch(stream, step)
                 try:
                     return await asyncio.shield(fut), False
-                except FetchError as exc:
+                except FFPlaneError as exc:
                     stream.failed.pop(step, None)
                     # A data server restarting or briefly unreachable is not the reader's problem.
                     if exc.status < 500 or time.perf_counter() - started > self.config.fetch_retry_s:
@@ -268,12 +258,12 @@ class DataCache:
         if over() > 0:
             if stream.readers and step <= max(stream.readers.values()):
                 mib = 1 << 20
-                raise FetchError(
+                raise CapacityError(
                     f"step {step} of {stream.key} ({need / mib:.1f} MiB) does not fit in the daemon's budget of {budget / mib:.1f} MiB "
                     f"({(self.cached_bytes()) / mib:.1f} MiB of cached steps readers are on, {self.other_bytes() / mib:.1f} MiB of state "
-                    "slots and replicas); raise --budget-mb (and the tmpfs), or lower --window", 507,
+                    "slots and replicas); raise --budget-mb (and the tmpfs), or lower --window",
                 )
-            raise FetchError(f"prefetch of {stream.key} step {step} put off: the cache is at its budget", _PUT_OFF)
+            raise _PutOff(f"prefetch of {stream.key} step {step} put off: the cache is at its budget")
         self._reserved += need
         self.peak_bytes = max(self.peak_bytes, self.cached_bytes())
 
@@ -306,14 +296,18 @@ class DataCache:
             stream.ready[step] = cached
             stream.fetched += 1
             fut.set_result(cached)
-        except FetchError as exc:
-            if exc.status != _PUT_OFF:  # a put-off prefetch is tried again once there is room
+        except FFPlaneError as exc:
+            if not isinstance(exc, _PutOff):  # a put-off prefetch is tried again once there is room
                 stream.failed[step] = exc
             fut.set_exception(exc)
             fut.exception()  # retrieved here; waiters get it from stream.failed / the future
             if exc.status == 416:  # past the job's end: stop prefetching there
                 stream.end_step = step if stream.end_step is None else min(step, stream.end_step)
-            log.log(logging.INFO if exc.status in (416, _PUT_OFF) else logging.WARNING, "fetch failed", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step, "error": str(exc)})
+            log.log(
+                logging.INFO if exc.status == 416 or isinstance(exc, _PutOff) else logging.WARNING,
+                "fetch failed",
+                extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step, "error": str(exc)},
+            )
         except BaseException as exc:
             if not fut.done():
                 fut.cancel()
@@ -329,14 +323,14 @@ class DataCache:
         assert self._session is not None
         url = f"{self.config.dataserver}/v1/jobs/{stream.job}/batches"
         token = stream.token or self.token
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = bearer(token)
         params = {"dp_rank": str(stream.dp_rank), "start": str(step), "count": "1"}
         nbytes = 0
         try:
             async with self._session.get(url, params=params, headers=headers) as resp:
                 if resp.status != 200:
                     detail = (await resp.text())[:500]
-                    raise FetchError(f"data server answered {resp.status} for {stream.key} step {step}: {detail}", resp.status)
+                    raise error_from(resp.status, f"data server answered {resp.status} for {stream.key} step {step}: {detail}")
                 need = resp.content_length if resp.content_length is not None else self._step_estimate(stream)
                 stream.step_bytes = need
                 self._make_room(stream, step, need)
@@ -350,14 +344,14 @@ class DataCache:
                 finally:
                     self._reserved -= need
                 if resp.content_length is not None and nbytes != resp.content_length:
-                    raise FetchError(f"{stream.key} step {step}: body of {nbytes} bytes, Content-Length said {resp.content_length}")
+                    raise TransportError(f"{stream.key} step {step}: body of {nbytes} bytes, Content-Length said {resp.content_length}")
         except aiohttp.ClientError as exc:
             shm.unlink(tmp)
-            raise FetchError(f"cannot fetch {stream.key} step {step} from {self.config.dataserver}: {exc}") from exc
+            raise TransportError(f"cannot fetch {stream.key} step {step} from {self.config.dataserver}: {exc}") from exc
         except OSError as exc:  # ENOSPC: the tmpfs is full — a clear error, not a dropped reader
             shm.unlink(tmp)
-            raise FetchError(f"cannot cache {stream.key} step {step} in {self.config.root}: {exc}; the tmpfs is full", 507) from exc
-        except FetchError:
+            raise CapacityError(f"cannot cache {stream.key} step {step} in {self.config.root}: {exc}; the tmpfs is full") from exc
+        except FFPlaneError:
             shm.unlink(tmp)
             raise
         shm.publish(tmp, final)

@@ -11,7 +11,6 @@ members' addresses.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -21,18 +20,17 @@ from typing import Any
 
 import aiohttp
 
-from dataserver.coordinator import (
-    BEAT_HEADER,
+from dataserver.protocol.auth import bearer
+from dataserver.protocol.heartbeat import (
     KIND_BEAT,
     KIND_INV,
-    MAC_BYTES,
-    MAX_DATAGRAM,
     STATUS_STALE,
     STATUS_UNKNOWN,
     VIEW_EVENTS,
     VIEW_FULL,
-    decode_answer,
-    encode_beat,
+    Answer,
+    Beat,
+    decode_events,
     encode_inventory,
 )
 from statestore.config import DaemonConfig
@@ -43,12 +41,14 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, config: DaemonConfig, slots: SlotStore, token: str | None) -> None:
+    def __init__(self, config: DaemonConfig, slots: SlotStore, replicas: ReplicaStore | None, address: str, token: str | None) -> None:
+        """``replicas``: listed in the inventory once complete; ``address``: the peer API's base
+        URL, as the other daemons reach it (the port is bound before the daemon starts)."""
         self.config = config
         self.slots = slots
         self.token = token
-        self.address = ""  # set once the ops port is bound
-        self.replicas: ReplicaStore | None = None  # listed in the inventory once complete
+        self.address = address
+        self.replicas = replicas
         self.workers: dict[int, dict[str, Any]] = {}  # connection id → {pid, job, role|dp_rank}
         self._exited: list[dict[str, Any]] = []
         self._now = asyncio.Event()
@@ -64,13 +64,16 @@ class Heartbeat:
     async def report_unreachable(self, node: str) -> None:
         """Tell the coordinator that ``node`` (this node's ring successor) takes no connection;
         it checks for itself and moves the ring past it."""
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        headers = bearer(self.token)
         url = f"{self.config.dataserver.rstrip('/')}/v1/nodes/{node}/unreachable"
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
                 async with session.post(url, json={"reporter": self.config.node_id}, headers=headers) as resp:
                     if resp.status != 200:
-                        log.warning("the coordinator did not take the report", extra={"node": node, "status": resp.status, "detail": (await resp.text())[:300]})
+                        log.warning(
+                            "the coordinator did not take the report",
+                            extra={"node": node, "status": resp.status, "detail": (await resp.text())[:300]},
+                        )
                         return
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.warning("cannot report an unreachable successor", extra={"node": node, "error": str(exc)})
@@ -89,7 +92,15 @@ class Heartbeat:
             for (job, role), versions in self.replicas.complete.items():
                 entries = out.setdefault(job, {}).setdefault(role, [])
                 for r in versions.values():
-                    entries.append({"step": r.step, "checksum": r.checksum, "nbytes": r.nbytes, "layout_roles": r.header.get("layout_roles", [role]), "replica_of": r.source})
+                    entries.append(
+                        {
+                            "step": r.step,
+                            "checksum": r.checksum,
+                            "nbytes": r.nbytes,
+                            "layout_roles": r.header.get("layout_roles", [role]),
+                            "replica_of": r.source,
+                        }
+                    )
         return out
 
     async def run(self) -> None:
@@ -129,11 +140,11 @@ class _Answers(asyncio.DatagramProtocol):
 
     def __init__(self, key: bytes) -> None:
         self.key = key
-        self.waiting: dict[int, asyncio.Future[tuple[int, int, int, int, int, bytes]]] = {}
+        self.waiting: dict[int, asyncio.Future[Answer]] = {}
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        answer = decode_answer(self.key, data)
-        if answer is not None and (fut := self.waiting.pop(answer[2], None)) is not None and not fut.done():
+        answer = Answer.decode(self.key, data)
+        if answer is not None and (fut := self.waiting.pop(answer.counter, None)) is not None and not fut.done():
             fut.set_result(answer)
 
     def error_received(self, exc: Exception) -> None:  # an ICMP error: the beat stays unanswered
@@ -146,7 +157,7 @@ class _Beats:
     def __init__(self, hb: Heartbeat, http: aiohttp.ClientSession) -> None:
         self.hb, self.http = hb, http
         self.url = hb.config.dataserver.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {hb.token}"} if hb.token else {}
+        self.headers = bearer(hb.token)
         self.key = hb.token.encode() if hb.token else None
         self.session_id = os.urandom(8)  # this process's UDP session, registered over HTTP
         self.counter = 0  # every message takes the next value; the coordinator drops replays
@@ -173,7 +184,7 @@ class _Beats:
         inventory, workers = hb.inventory(), list(hb.workers.values())
         payload = encode_inventory(inventory, workers)
         ident = (hb.address, hb.config.budget_bytes)
-        fits = BEAT_HEADER.size + len(hb.config.node_id.encode()) + len(payload) + MAC_BYTES <= MAX_DATAGRAM
+        fits = Beat.room(hb.config.node_id, payload)
         if (
             self.acked is not None
             and self.acked[:2] == ident
@@ -193,12 +204,15 @@ class _Beats:
             return False
         assert self.transport is not None and self.answers is not None
         kind = KIND_BEAT if payload == self.acked[2] else KIND_INV
-        answer, inv = None, self.inv_version
+        answer: Answer | None = None
+        inv = self.inv_version
         for _ in range(2):
             self.counter += 1
             counter = self.counter
             inv = counter if kind == KIND_INV else self.inv_version
-            datagram = encode_beat(self.key, kind, self.hb.config.node_id, self.session_id, counter, inv, self.epoch, self.version, payload if kind == KIND_INV else b"")
+            datagram = Beat(
+                kind, self.hb.config.node_id, self.session_id, counter, inv, self.epoch, self.version, payload if kind == KIND_INV else b""
+            ).encode(self.key)
             fut = asyncio.get_running_loop().create_future()
             self.answers.waiting[counter] = fut
             try:
@@ -217,7 +231,7 @@ class _Beats:
                 log.warning("UDP heartbeats unanswered; using HTTP for 60 s", extra={"dataserver": self.url, "udp_port": self.udp_port})
             return False
         self.udp_failures = 0
-        status, view, _, epoch, version, events = answer
+        status, view, epoch, version = answer.status, answer.view, answer.epoch, answer.version
         if status == STATUS_UNKNOWN:
             return False
         self.hb.sent += 1
@@ -227,7 +241,7 @@ class _Beats:
             self.acked, self.inv_version = (*self.acked[:2], payload), inv
         if view == VIEW_EVENTS and epoch == self.epoch:
             try:
-                for event in json.loads(events):
+                for event in decode_events(answer.events):
                     if event[0] == "+":
                         self.members[str(event[1])] = str(event[2])
                         self.dead.discard(str(event[1]))

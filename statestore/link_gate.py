@@ -24,7 +24,6 @@ import asyncio
 import logging
 import mmap
 import os
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from statestore.procs import alive
+from statestore.protocol.files import HINT, HINTS_DIR
 
 log = logging.getLogger(__name__)
-HINTS_DIR = "hints"
-HINT_BYTES = 8  # one little-endian int64: how many collectives the process has in flight
 _RECHECK_S = 0.005  # a closed gate's waiters look again at least this often
 # uvloop (the daemon's loop, through uvicorn) counts timers in whole milliseconds and rounds:
 # asyncio.sleep(0.0005) there is no sleep at all, and the watcher spun a core at ~500,000 looks/s
@@ -68,7 +66,9 @@ class GateConfig:
         if self.iface and self.link_bytes_s <= 0:
             raise ValueError("watching an interface needs its link rate (--gate-link-mbit)")
         if self.poll_s < _TIMER_RESOLUTION_S:
-            raise ValueError(f"gate poll must be >= {_TIMER_RESOLUTION_S * 1e3:g} ms (the event loop's timer resolution), got {self.poll_s * 1e3:g} ms")
+            raise ValueError(
+                f"gate poll must be >= {_TIMER_RESOLUTION_S * 1e3:g} ms (the event loop's timer resolution), got {self.poll_s * 1e3:g} ms"
+            )
         if self.chunk_bytes < 4096:
             raise ValueError(f"gate chunk must be >= 4 KiB, got {self.chunk_bytes}")
 
@@ -88,7 +88,7 @@ class _Hints:
         if now - self._scanned > 0.1:  # new workers appear, dead ones are dropped
             self._scanned = now
             self._rescan()
-        return any(struct.unpack_from("<q", mm)[0] > 0 for mm in self._maps.values())
+        return any(HINT.unpack_from(mm)[0] > 0 for mm in self._maps.values())
 
     def _rescan(self) -> None:
         names = set(os.listdir(self.directory))
@@ -102,8 +102,8 @@ class _Hints:
             try:
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    if os.fstat(fd).st_size >= HINT_BYTES:
-                        self._maps[name] = mmap.mmap(fd, HINT_BYTES, prot=mmap.PROT_READ)
+                    if os.fstat(fd).st_size >= HINT.size:
+                        self._maps[name] = mmap.mmap(fd, HINT.size, prot=mmap.PROT_READ)
                 finally:
                     os.close(fd)
             except OSError:

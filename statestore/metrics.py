@@ -12,7 +12,6 @@ from statestore.link_gate import LinkGate
 from statestore.slots import SlotStore
 from statestore.state_service import StateService
 
-
 Family = GaugeMetricFamily | CounterMetricFamily
 _GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
 
@@ -92,18 +91,28 @@ class _LinkCollector:
         yield CounterMetricFamily("ffplane_gate_paused_seconds", "Time STATE transfers waited at the gate", value=g.paused_s)
         yield CounterMetricFamily("ffplane_gate_pauses", "Times a STATE transfer had to wait", value=g.pauses)
         yield GaugeMetricFamily("ffplane_replica_bytes", "Bytes of replicas and pulled shards held", value=self.state.replicas.held_bytes())
-        yield CounterMetricFamily("ffplane_replica_received_bytes", "Replica bytes received from peers", value=self.state.replicas.received_bytes)
-        yield CounterMetricFamily("ffplane_restore_pulled_bytes", "Shard bytes pulled from peers for restores", value=self.state.pulled_bytes)
+        yield CounterMetricFamily(
+            "ffplane_replica_received_bytes", "Replica bytes received from peers", value=self.state.replicas.received_bytes
+        )
+        yield CounterMetricFamily(
+            "ffplane_restore_pulled_bytes", "Shard bytes pulled from peers for restores", value=self.state.pulled_bytes
+        )
         r = self.state.replicator
         if r is None:
             return
         yield CounterMetricFamily("ffplane_replication_sent_bytes", "Bytes pushed to the ring successor", value=r.bytes_sent)
         yield CounterMetricFamily("ffplane_replication_pushes", "Shards pushed to the ring successor", value=r.pushes)
         yield CounterMetricFamily("ffplane_replication_failures", "Pushes that failed (and were resumed)", value=r.failures)
-        yield CounterMetricFamily("ffplane_replication_commit_wait_seconds", "Time commits waited for the previous version's replica", value=r.commit_wait_s)
-        yield CounterMetricFamily("ffplane_replication_commit_wait_timeouts", "Commits made while the replica was still behind", value=r.commit_wait_timeouts)
+        yield CounterMetricFamily(
+            "ffplane_replication_commit_wait_seconds", "Time commits waited for the previous version's replica", value=r.commit_wait_s
+        )
+        yield CounterMetricFamily(
+            "ffplane_replication_commit_wait_timeouts", "Commits made while the replica was still behind", value=r.commit_wait_timeouts
+        )
         yield GaugeMetricFamily("ffplane_replication_pending", "Committed versions waiting to be pushed", value=r.pending())
-        lag = GaugeMetricFamily("ffplane_replication_lag_steps", "Newest committed step minus newest replicated step", labels=["job", "role"])
+        lag = GaugeMetricFamily(
+            "ffplane_replication_lag_steps", "Newest committed step minus newest replicated step", labels=["job", "role"]
+        )
         for key, d in r.describe()["roles"].items():
             job, role = key.split("/", 1)
             lag.add_metric([job, role], d["committed"] - (d["replicated"] if d["replicated"] is not None else -1))

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from statestore import shm
-from statestore.checksum import checksum
 from statestore.index import SIDECAR, Index, read_sidecar
+from statestore.protocol.checksum import checksum
 from statestore.slots import KEEP_VERSIONS, SLOTS, version_key
 
 log = logging.getLogger(__name__)

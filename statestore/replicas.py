@@ -14,15 +14,15 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from dataserver.protocol.errors import CapacityError, CorruptError, FFPlaneError, TransferOrderError
 from statestore import shm
-from statestore.checksum import streaming_checksum
 from statestore.index import Index, remove_sidecar, write_sidecar
-from statestore.slots import SlotError
+from statestore.protocol.checksum import streaming_checksum
 
 log = logging.getLogger(__name__)
 KEEP_VERSIONS = 2  # a replica trails its primary by at most a commit or so; the primary keeps three
@@ -98,10 +98,12 @@ class ReplicaStore:
         return mm
 
     # --- receiving -----------------------------------------------------------------------
-    def begin(self, job: str, role: str, step: int, nbytes: int, digest: str, header: dict[str, Any], source: str, kind: str = "replica") -> int:
+    def begin(
+        self, job: str, role: str, step: int, nbytes: int, digest: str, header: dict[str, Any], source: str, kind: str = "replica"
+    ) -> int:
         """Start (or resume) receiving a shard; returns the offset to send from."""
         if nbytes < 0:
-            raise SlotError(f"a shard cannot have {nbytes} bytes", 422)
+            raise FFPlaneError(f"a shard cannot have {nbytes} bytes", 422)
         if self.get(job, role, step) is not None and self.get(job, role, step).checksum == digest:  # type: ignore[union-attr]
             return nbytes  # already here, complete and verified
         self._purge()
@@ -112,9 +114,9 @@ class ReplicaStore:
             inc = None
         if inc is None:
             if nbytes > self._free_bytes():
-                raise SlotError(
+                raise CapacityError(
                     f"no room for a {nbytes / 2**20:.1f} MiB replica of {role} step {step}: "
-                    f"{max(self._free_bytes(), 0) / 2**20:.1f} MiB of the daemon's budget left; raise --budget-mb", 507,
+                    f"{max(self._free_bytes(), 0) / 2**20:.1f} MiB of the daemon's budget left; raise --budget-mb",
                 )
             rel = f"{job}/replica/{role}/{step:012d}"
             shm.private_dir((self.root / rel).parent)
@@ -132,17 +134,17 @@ class ReplicaStore:
         the sender resumes from there. Returns the bytes received so far."""
         inc = self._incoming.get((job, role, step))
         if inc is None:
-            raise SlotError(f"no transfer of {role} step {step} in progress; send 'begin' first", 409)
+            raise TransferOrderError(f"no transfer of {role} step {step} in progress; send 'begin' first")
         async with inc.lock:
             if offset != inc.received:
-                raise SlotError(f"body at offset {offset} but {inc.received} bytes received so far; resume from there", 409)
+                raise TransferOrderError(f"body at offset {offset} but {inc.received} bytes received so far; resume from there")
             fd = os.open(self.root / inc.meta.path.replace(".bin", ".part"), os.O_WRONLY)
             out = shm.PageWriter(fd, inc.received, on_write=inc.hasher.update)
             arrived = inc.received
             try:
                 async for piece in body:
                     if arrived + len(piece) > inc.meta.nbytes:
-                        raise SlotError(f"body runs past the shard's {inc.meta.nbytes} bytes", 400)
+                        raise FFPlaneError(f"body runs past the shard's {inc.meta.nbytes} bytes")
                     out.add(piece)
                     arrived += len(piece)
                     inc.touched = time.monotonic()
@@ -172,17 +174,17 @@ class ReplicaStore:
             done = self.get(job, role, step)
             if done is not None:
                 return done
-            raise SlotError(f"no transfer of {role} step {step} to finish", 409)
+            raise TransferOrderError(f"no transfer of {role} step {step} to finish")
         async with inc.lock:
             r = inc.meta
             if inc.received != r.nbytes:
-                raise SlotError(f"only {inc.received} of {r.nbytes} bytes of {role} step {step} received", 409)
+                raise TransferOrderError(f"only {inc.received} of {r.nbytes} bytes of {role} step {step} received")
             part = self.root / r.path.replace(".bin", ".part")
             digest = inc.hasher.hexdigest()  # hashed while it arrived: no second pass
             self._incoming.pop(key, None)
             if digest != r.checksum:
                 part.unlink(missing_ok=True)
-                raise SlotError(f"{role} step {step} arrived with checksum {digest}, expected {r.checksum}; discarded, send it again", 422)
+                raise CorruptError(f"{role} step {step} arrived with checksum {digest}, expected {r.checksum}; discarded, send it again")
             self._forget_map(r.path)  # a replaced version's old mapping must not serve its bytes
             os.rename(part, self.root / r.path)
             r.complete_at = time.time()
@@ -257,9 +259,21 @@ class ReplicaStore:
         out = []
         for (job, role), versions in sorted(self.complete.items()):
             for r in sorted(versions.values(), key=lambda v: -v.step):
-                out.append({"job": job, "role": role, "step": r.step, "nbytes": r.nbytes, "checksum": r.checksum, "from": r.source, "kind": r.kind})
+                out.append(
+                    {"job": job, "role": role, "step": r.step, "nbytes": r.nbytes, "checksum": r.checksum, "from": r.source, "kind": r.kind}
+                )
         for (job, role, step), inc in sorted(self._incoming.items()):
-            out.append({"job": job, "role": role, "step": step, "nbytes": inc.meta.nbytes, "received": inc.received, "from": inc.meta.source, "kind": "incoming"})
+            out.append(
+                {
+                    "job": job,
+                    "role": role,
+                    "step": step,
+                    "nbytes": inc.meta.nbytes,
+                    "received": inc.received,
+                    "from": inc.meta.source,
+                    "kind": "incoming",
+                }
+            )
         return out
 
     def close(self) -> None:

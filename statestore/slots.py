@@ -20,9 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dataserver.protocol.errors import (
+    CapacityError,
+    FFPlaneError,
+    NoSlotsError,
+    SlotBusyError,
+    StaticHeaderUnknownError,
+    UnknownSlotError,
+)
+from dataserver.protocol.restorable import whole_steps
 from statestore import shm
-from statestore.checksum import ALGORITHM, checksum
 from statestore.index import Index, remove_sidecar, write_sidecar
+from statestore.protocol.checksum import ALGORITHM, checksum
+from statestore.protocol.shard import layout_roles
 
 log = logging.getLogger(__name__)
 KEEP_VERSIONS = 3  # see docs/decisions.md, "Three versions per role"
@@ -31,14 +41,6 @@ RESERVED = -1  # ``writing`` value of a slot handed out for a role's next save, 
 # Below this a commit checksums on the event loop (≤ ~0.5 ms held): handing it to a thread costs
 # ~0.1 ms of CPU here (two wake-ups), as much as checksumming 2 MiB, on cores training keeps busy.
 INLINE_CHECKSUM_BYTES = 8 << 20
-
-
-class SlotError(Exception):
-    """A state request cannot be served; ``status`` is the HTTP-like code for the client."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -137,9 +139,8 @@ class SlotStore:
         return mm
 
     def close(self) -> None:
-        for mm in self._maps.values():
-            mm.close()
-        self._maps.clear()
+        while self._maps:
+            self._maps.popitem()[1].close()
 
     # --- protocol ------------------------------------------------------------------------
     async def alloc(self, job: str, role: str, nbytes: int) -> list[str]:
@@ -151,11 +152,10 @@ class SlotStore:
         grow = SLOTS * size - self._live_bytes(rs)
         free = self.budget_bytes - self.slot_bytes() - self._used_elsewhere()
         if grow > free:
-            raise SlotError(
+            raise CapacityError(
                 f"role {role} of job {job} needs {SLOTS} slots x {size / 2**20:.1f} MiB but only "
                 f"{max(free, 0) / 2**20:.1f} MiB of the daemon's budget is left; raise the daemon's "
                 "--budget-mb (and the tmpfs size) or save less state per role",
-                507,
             )
         rs.gen += 1
         directory = shm.private_dir(self.root / job / "state" / role)
@@ -189,11 +189,13 @@ class SlotStore:
         none of the newest committed versions, nor one in use."""
         rs = self.roles.get((job, role))
         if rs is None or not rs.paths:
-            raise SlotError(f"role {role} of job {job} has no slots; send 'alloc' first", 412)
+            raise NoSlotsError(f"role {role} of job {job} has no slots; send 'alloc' first")
         keep = {v.path for v in rs.newest()}
         free = [p for p in rs.paths if p not in keep and p not in rs.writing and p not in exclude]
         if not free:
-            raise SlotError(f"no free slot for {role} step {step}: a save is still being committed or copied to the durable tier; wait for it", 409)
+            raise SlotBusyError(
+                f"no free slot for {role} step {step}: a save is still being committed or copied to the durable tier; wait for it"
+            )
         slot = free[0]
         stale = [s for s, v in rs.versions.items() if v.path == slot]
         for s in stale:  # the version this slot held is about to be overwritten
@@ -211,8 +213,17 @@ class SlotStore:
             rs.writing.pop(slot, None)
 
     async def commit(
-        self, job: str, role: str, step: int, slot: str, nbytes: int, header: dict[str, Any], save_block_s: float,
-        reserved: bool = False, static: str = "", static_header: dict[str, Any] | None = None,
+        self,
+        job: str,
+        role: str,
+        step: int,
+        slot: str,
+        nbytes: int,
+        header: dict[str, Any],
+        save_block_s: float,
+        reserved: bool = False,
+        static: str = "",
+        static_header: dict[str, Any] | None = None,
     ) -> Version:
         """Checksum the slot and record ``step`` in it.
 
@@ -224,15 +235,17 @@ class SlotStore:
         """
         rs = self.roles.get((job, role))
         if rs is None:  # as for 'begin': a daemon that never had, or lost, this role's slots
-            raise SlotError(f"role {role} of job {job} has no slots here; send 'alloc' first", 412)
+            raise NoSlotsError(f"role {role} of job {job} has no slots here; send 'alloc' first")
         if reserved and self._adoptable(rs, slot):
             rs.writing[slot] = RESERVED
         if rs.writing.get(slot) not in (step, RESERVED) or (rs.writing[slot] == RESERVED and not reserved):
-            raise SlotError(f"commit of {role} step {step} to {slot} was not begun here", 409)
+            raise UnknownSlotError(f"commit of {role} step {step} to {slot} was not begun here")
         if not 0 <= nbytes <= rs.size:
-            raise SlotError(f"commit of {nbytes} bytes exceeds the slot size {rs.size}", 400)
+            raise FFPlaneError(f"commit of {nbytes} bytes exceeds the slot size {rs.size}")
         if static and static_header is None and static not in rs.statics:
-            raise SlotError(f"static header {static} of {role} is not known here (a restarted daemon?); send it with the commit", 428)
+            raise StaticHeaderUnknownError(
+                f"static header {static} of {role} is not known here (a restarted daemon?); send it with the commit"
+            )
         started = time.perf_counter()
         mm = self.mapped(slot)
         data = memoryview(mm)[:nbytes]
@@ -311,11 +324,8 @@ class SlotStore:
         expected = set(roles)
         for rs in roles.values():  # a role's layout names its peers, even those never seen here
             for v in rs.newest(1):
-                expected |= set(v.header.get("layout_roles", []))
-        if not roles or expected - set(roles) or any(not rs.versions for rs in roles.values()):
-            return None, {}
-        common = set.intersection(*(set(rs.versions) for rs in roles.values()))
-        for step in sorted((s for s in common if below is None or s < below), reverse=True):
+                expected |= set(layout_roles(v.header, rs.role))
+        for step in whole_steps({r: rs.versions for r, rs in roles.items()}, expected, below):
             chosen = {r: rs.versions[step] for r, rs in roles.items()}
             if not verify:
                 return step, chosen
@@ -330,22 +340,31 @@ class SlotStore:
         for rs in self.roles.values():
             newest = rs.newest()
             header = newest[0].header if newest else {}
-            out.append({
-                "job": rs.job,
-                "role": rs.role,
-                "slots": len(rs.paths),
-                "slot_bytes": rs.size,
-                "writing": sorted(s for s in rs.writing.values() if s != RESERVED),
-                "reserved": sum(1 for s in rs.writing.values() if s == RESERVED),
-                "unique_bytes": header.get("unique_nbytes"),
-                "razored_bytes": newest[0].nbytes if newest else None,
-                "versions": [
-                    {"step": v.step, "nbytes": v.nbytes, "checksum": v.checksum, "algorithm": ALGORITHM,
-                     "slot": v.path, "save_block_s": round(v.save_block_s, 6), "commit_s": round(v.commit_s, 6),
-                     "committed_at": v.committed_at}
-                    for v in newest
-                ],
-            })
+            out.append(
+                {
+                    "job": rs.job,
+                    "role": rs.role,
+                    "slots": len(rs.paths),
+                    "slot_bytes": rs.size,
+                    "writing": sorted(s for s in rs.writing.values() if s != RESERVED),
+                    "reserved": sum(1 for s in rs.writing.values() if s == RESERVED),
+                    "unique_bytes": header.get("unique_nbytes"),
+                    "razored_bytes": newest[0].nbytes if newest else None,
+                    "versions": [
+                        {
+                            "step": v.step,
+                            "nbytes": v.nbytes,
+                            "checksum": v.checksum,
+                            "algorithm": ALGORITHM,
+                            "slot": v.path,
+                            "save_block_s": round(v.save_block_s, 6),
+                            "commit_s": round(v.commit_s, 6),
+                            "committed_at": v.committed_at,
+                        }
+                        for v in newest
+                    ],
+                }
+            )
         return out
 
 
@@ -358,5 +377,5 @@ def _prefault(path: Path, size: int) -> None:
     except OSError as exc:
         os.close(fd)
         path.unlink(missing_ok=True)
-        raise SlotError(f"cannot reserve {size / 2**20:.1f} MiB at {path}: {exc}; the tmpfs is full", 507) from exc
+        raise CapacityError(f"cannot reserve {size / 2**20:.1f} MiB at {path}: {exc}; the tmpfs is full") from exc
     os.close(fd)

@@ -13,11 +13,15 @@ from typing import Any
 
 import aiohttp
 
+from dataserver.protocol.errors import FFPlaneError, UnavailableError
+from dataserver.protocol.restorable import whole_steps
 from statestore import durable
 from statestore.link_gate import LinkGate, Priority
 from statestore.replicas import ReplicaStore
-from statestore.replication import LocalShard, PeerError, Replicator, _Peers, find_local
-from statestore.slots import SlotError, SlotStore, Version
+from statestore.ring import Replicator
+from statestore.shard import CorruptCopies, LocalShard, find_local
+from statestore.slots import SlotStore, Version
+from statestore.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -32,36 +36,48 @@ class DurableConfig:
 
 
 class StateService:
-    def __init__(self, root: Path, slots: SlotStore, replicas: ReplicaStore, durable_cfg: DurableConfig, node_id: str = "") -> None:
-        self.root = root
-        self.slots = slots
-        self.replicas = replicas
-        self.durable = durable_cfg
-        self.node_id = node_id
-        self.replicator: Replicator | None = None  # set once the daemon runs (needs the ring)
-        self.peers: _Peers | None = None
-        self.gate: LinkGate | None = None  # durable copies wait at it too (the directory may be remote)
-        self.dataserver = ""  # coordinator base URL, for job-wide restores
-        self.token: str | None = None
+    def __init__(
+        self,
+        root: Path,
+        slots: SlotStore,
+        replicas: ReplicaStore,
+        durable_cfg: DurableConfig,
+        *,
+        node_id: str,
+        transport: Transport,
+        corrupt: CorruptCopies,
+        replicator: Replicator | None = None,
+        gate: LinkGate | None = None,
+        dataserver: str = "",
+        token: str | None = None,
+    ) -> None:
+        """``transport`` pulls what a restore needs from other nodes; ``corrupt`` is shared with
+        ``replicator`` (none: commits are not replicated); ``gate``: durable copies wait at it
+        too (the directory may be remote); ``dataserver``: the coordinator's base URL, for
+        job-wide restores (none: restores from this node only)."""
+        self.root, self.node_id = root, node_id
+        self.slots, self.replicas, self.durable = slots, replicas, durable_cfg
+        self.transport, self.replicator, self.gate = transport, replicator, gate
+        self.dataserver, self.token = dataserver, token
+        self._corrupt = corrupt
         self._pinned: dict[str, int] = {}  # slot path → durable writes in progress
         self._tasks: set[asyncio.Task[None]] = set()
         self._durable_pool = ThreadPoolExecutor(1, thread_name_prefix="ffplane-durable")
         self.durable_written = 0
         self.pulled_bytes = 0
         self._pulls: dict[tuple[str, str, int], asyncio.Future[LocalShard]] = {}
-        self._bad: set[tuple[str, str, int, str]] = set()  # (job, role, step, node or _DURABLE): copies found corrupt
-        self.quarantined = 0
 
     def begin(self, job: str, role: str, step: int) -> str:
         # a slot still being copied to the durable tier must not be overwritten
         return self.slots.begin(job, role, step, exclude=set(self._pinned))
 
-    async def commit(self, job: str, role: str, step: int, slot: str, nbytes: int, header: dict[str, Any], save_block_s: float, **how: Any) -> Version:
+    async def commit(
+        self, job: str, role: str, step: int, slot: str, nbytes: int, header: dict[str, Any], save_block_s: float, **how: Any
+    ) -> Version:
         """Commit ``step`` (``how``: ``SlotStore.commit``'s reservation and static-header options)."""
         version = await self.slots.commit(job, role, step, slot, nbytes, header, save_block_s, **how)
         self.replicas.drop_pulled(job, below=step)
-        if self._bad:  # the job moved on: a step saved again later is a new version
-            self._bad = {b for b in self._bad if b[0] != job}
+        self._corrupt.job_saved(job)
         if self.replicator is not None:
             self.replicator.committed(job, role, step)
         if self.durable.due(step):
@@ -85,7 +101,9 @@ class StateService:
 
             chunk = max(gate.config.chunk_bytes if gate else 0, 4 << 20)
             # its own thread: a copy waiting at the gate must not hold a thread that commits need
-            write = functools.partial(durable.write_shard, self.durable.directory, job, role, v.step, data, v.checksum, v.header, admit, chunk)
+            write = functools.partial(
+                durable.write_shard, self.durable.directory, job, role, v.step, data, v.checksum, v.header, admit, chunk
+            )
             await loop.run_in_executor(self._durable_pool, write)
             self.durable_written += 1
         except Exception:
@@ -119,19 +137,16 @@ class StateService:
 
     def quarantine(self, shard: LocalShard) -> None:
         """Drop a copy held here that failed its checksum, and never offer it again."""
-        log.warning(
-            "corrupt shard dropped: it fails its checksum; another copy of the same step is used if one is intact",
-            extra={"job": shard.job, "role": shard.role, "step": shard.step, "kind": shard.kind, "path": shard.rel},
-        )
-        self._bad.add((shard.job, shard.role, shard.step, self.node_id))
-        if shard.kind == "primary":
-            self.slots.drop(shard.job, shard.role, shard.step)
-        else:
-            self.replicas.drop(shard.job, shard.role, shard.step)
-        self.quarantined += 1
+        self._corrupt.quarantine(shard)
+
+    @property
+    def quarantined(self) -> int:
+        return self._corrupt.dropped
 
     # --- restore -------------------------------------------------------------------------
-    async def restorable(self, job: str, verify: bool = True, below: int | None = None, roles: list[str] | None = None, step: int | None = None) -> dict[str, Any]:
+    async def restorable(
+        self, job: str, verify: bool = True, below: int | None = None, roles: list[str] | None = None, step: int | None = None
+    ) -> dict[str, Any]:
         """The step to restore and where its shards are, on this node.
 
         With ``roles`` (the asking worker's role and its dp peers) the step is job-wide: the
@@ -142,60 +157,84 @@ class StateService:
         if roles is not None and self.dataserver:
             status = await self._job_status(job)
             if status is None:  # guessing from this node alone could split the job across steps
-                raise SlotError("the coordinator (data server) did not answer, so no job-wide restore step can be chosen; ask again", 503)
+                raise UnavailableError("the coordinator (data server) did not answer, so no job-wide restore step can be chosen; ask again")
             return await self._restorable_jobwide(job, status, roles, below, step)
         if step is not None:
             below = step + 1
         found_step, versions = await self.slots.restorable(job, verify, below)
         if found_step is not None and (step is None or found_step == step):
-            return {"step": found_step, "source": "memory", "shards": {r: self._shard_reply(self.local(job, r, found_step)) for r in versions}}
+            return {
+                "step": found_step,
+                "source": "memory",
+                "shards": {r: self._shard_reply(self.local(job, r, found_step)) for r in versions},
+            }
         known = {r for (j, r) in self.slots.roles if j == job}
         return await self._durable(job, set(roles or []) | known, "no intact copy in this daemon's memory" if known else "", step)
 
-    async def _restorable_jobwide(self, job: str, status: dict[str, Any], roles: list[str], below: int | None, step: int | None) -> dict[str, Any]:
+    async def _restorable_jobwide(
+        self, job: str, status: dict[str, Any], roles: list[str], below: int | None, step: int | None
+    ) -> dict[str, Any]:
         """Newest step with an intact copy of every role: per role, every copy of a step (here, on
         a live node, in the durable tier) is tried before the step is given up for an older one."""
         expected = set(status.get("roles", [])) | set(roles)
         alive = {n: m["address"] for n, m in status.get("members", {}).items() if m.get("alive")}
         where: dict[str, dict[int, list[str]]] = {
-            r: {int(s): [n for n in nodes if n in alive] for s, nodes in steps.items()} for r, steps in status.get("shard_locations", {}).items()
+            r: {int(s): [n for n in nodes if n in alive] for s, nodes in steps.items()}
+            for r, steps in status.get("shard_locations", {}).items()
         }
         for r in expected:  # what is here counts even if the coordinator has not heard of it yet
             for s in self._local_steps(job, r):
                 where.setdefault(r, {}).setdefault(s, []).insert(0, self.node_id)
         for r, steps in where.items():  # copies found corrupt are not asked again
             for s, nodes in steps.items():
-                nodes[:] = [n for n in nodes if (job, r, s, n) not in self._bad]
+                nodes[:] = [n for n in nodes if (job, r, s, n) not in self._corrupt]
         on_disk = await asyncio.to_thread(durable.steps_by_role, self.durable.directory, job, expected) if self.durable.directory else {}
         have = [{s for s, nodes in where.get(r, {}).items() if nodes} for r in expected]
-        anywhere = [h | {s for s in on_disk.get(r, set()) if (job, r, s, _DURABLE) not in self._bad} for r, h in zip(expected, have)]
-        common = set.intersection(*anywhere) if anywhere else set()
+        anywhere = {r: h | {s for s in on_disk.get(r, set()) if (job, r, s, _DURABLE) not in self._corrupt} for r, h in zip(expected, have)}
+        candidates = whole_steps(anywhere, expected, below if step is None else step + 1)
         if step is not None:
-            candidates = [step] if step in common else []
-        else:
-            candidates = sorted((s for s in common if below is None or s < below), reverse=True)
+            candidates = [step] if step in candidates else []
         corrupt: list[str] = []
         for chosen in candidates:
             try:
-                got = await asyncio.gather(*(self._copy_of(job, r, chosen, where.get(r, {}).get(chosen, []), alive, chosen in on_disk.get(r, set())) for r in roles))
+                got = await asyncio.gather(
+                    *(
+                        self._copy_of(job, r, chosen, where.get(r, {}).get(chosen, []), alive, chosen in on_disk.get(r, set()))
+                        for r in roles
+                    )
+                )
             except _NoIntactCopy as exc:
                 corrupt.append(str(exc))
-                log.warning("no intact copy of a role at this step: trying an older one", extra={"job": job, "step": chosen, "error": str(exc)})
+                log.warning(
+                    "no intact copy of a role at this step: trying an older one", extra={"job": job, "step": chosen, "error": str(exc)}
+                )
                 continue
             kinds = {g["kind"] == "durable" for g in got}
             source = "durable" if kinds == {True} else "memory" if kinds == {False} else "memory+durable"
             reply: dict[str, Any] = {"step": chosen, "source": source, "shards": dict(zip(roles, got))}
             if source != "memory":
                 disk = sorted(r for r, g in zip(roles, got) if g["kind"] == "durable")
-                reply["message"] = f"restoring step {chosen}: {', '.join(disk)} from the durable tier {self.durable.directory} (no intact copy in memory on a live node)"
+                reply["message"] = (
+                    f"restoring step {chosen}: {', '.join(disk)} from the durable tier {self.durable.directory} (no intact copy in memory on a live node)"
+                )
             return reply
         if corrupt:
-            return {"step": None, "source": None, "shards": {}, "corrupt": True, "message": "every copy failed its checksum: " + "; ".join(corrupt)}
+            return {
+                "step": None,
+                "source": None,
+                "shards": {},
+                "corrupt": True,
+                "message": "every copy failed its checksum: " + "; ".join(corrupt),
+            }
         if not any(have):  # nothing in memory anywhere: a fresh job, one restarted from disk, or one that lost everything
             had = status.get("committed_step")
-            reason = "" if had is None else (
-                f"job {job!r} committed step {had}, but no role has a copy in memory on a live node (dead nodes: "
-                f"{status.get('dead', [])}); starting it from nothing would silently throw the run away"
+            reason = (
+                ""
+                if had is None
+                else (
+                    f"job {job!r} committed step {had}, but no role has a copy in memory on a live node (dead nodes: "
+                    f"{status.get('dead', [])}); starting it from nothing would silently throw the run away"
+                )
             )
             return await self._durable(job, expected, reason, step)
         lost = sorted(r for r, h in zip(expected, have) if not h)
@@ -223,7 +262,7 @@ class StateService:
             found = await asyncio.to_thread(durable.shard, self.durable.directory, job, role, step)
             if found is not None:
                 return {**found, "kind": "durable"}
-            self._bad.add((job, role, step, _DURABLE))
+            self._corrupt.add(job, role, step, _DURABLE)
             failures.append(f"the durable copy in {self.durable.directory} failed its checksum")
         raise _NoIntactCopy(f"{role} step {step}: {'; '.join(failures) or 'no copy left'}")
 
@@ -243,25 +282,26 @@ class StateService:
         return await asyncio.shield(pending)
 
     async def _pull_once(self, job: str, role: str, step: int, holders: list[tuple[str, str]]) -> LocalShard:
-        assert self.peers is not None
         errors, unreachable = [], False
         for node, base in holders:
             try:
-                r = await self.peers.pull(base, self.replicas, job, role, step, node)
+                r = await self.transport.pull(base, self.replicas, job, role, step, node)
                 self.pulled_bytes += r.nbytes
                 log.info("shard pulled for a restore", extra={"job": job, "role": role, "step": step, "from": base, "bytes": r.nbytes})
                 shard = self.local(job, role, step)
                 assert shard is not None
                 return shard
-            except (PeerError, SlotError) as exc:
+            except FFPlaneError as exc:
                 errors.append(f"{node} ({base}): {exc}")
                 if exc.status == 422 or exc.status == 404:  # its copy is corrupt, or gone: never ask it for this one again
-                    self._bad.add((job, role, step, node))
+                    self._corrupt.add(job, role, step, node)
                 else:
                     unreachable = True
         if not unreachable:
             raise _NoIntactCopy(f"no holder has an intact copy ({'; '.join(errors) or 'no live holder'})")
-        raise SlotError(f"cannot fetch {role} step {step} of job {job!r} from any holder ({'; '.join(errors)}); retry once the coordinator has noticed the failure", 503)
+        raise UnavailableError(
+            f"cannot fetch {role} step {step} of job {job!r} from any holder ({'; '.join(errors)}); retry once the coordinator has noticed the failure"
+        )
 
     async def _durable(self, job: str, roles: set[str], reason: str, step: int | None = None) -> dict[str, Any]:
         """The newest durable step (exactly ``step`` when the ranks agreed on one)."""
@@ -276,7 +316,14 @@ class StateService:
 
     def _shard_reply(self, shard: LocalShard | None) -> dict[str, Any]:
         assert shard is not None
-        return {"path": str(self.root / shard.rel), "offset": 0, "nbytes": shard.nbytes, "checksum": shard.checksum, "header": shard.header, "kind": shard.kind}
+        return {
+            "path": str(self.root / shard.rel),
+            "offset": 0,
+            "nbytes": shard.nbytes,
+            "checksum": shard.checksum,
+            "header": shard.header,
+            "kind": shard.kind,
+        }
 
     async def _job_status(self, job: str) -> dict[str, Any] | None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -298,9 +345,8 @@ class StateService:
         self._durable_pool.shutdown(wait=False)
 
 
-_DURABLE = "(durable)"  # the durable tier's copy, in ``StateService._bad``
+_DURABLE = "(durable)"  # the durable tier's copy, in ``CorruptCopies``
 
 
 class _NoIntactCopy(Exception):
     """Every copy of a role's shard at one step failed its checksum (or is gone)."""
-

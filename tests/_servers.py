@@ -7,8 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from trainer_client.local_cluster import Proc
-from trainer_client.local_cluster import start as _start
+from ffplane_harness.local_cluster import Proc
+from ffplane_harness.local_cluster import start as _start
 
 TOKEN = "test-token-0123456789"
 T = TypeVar("T")

@@ -17,7 +17,7 @@ from dataserver.ingest import IngestConfig, ingest
 from tests._servers import TOKEN, Proc, start
 
 if TYPE_CHECKING:
-    from trainer_client.local_cluster import LocalCluster
+    from ffplane_harness.local_cluster import LocalCluster
 
 SEQ_LEN = 16
 
@@ -90,8 +90,6 @@ def shm_root() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-
-
 @contextmanager
 def launcher(tmp_path: Path, module: str) -> Iterator[Callable[[list[str], str], Proc]]:
     """``launch(args, name)`` starts ``python -m module args`` (logs in ``tmp_path``); every
@@ -121,11 +119,11 @@ def start_daemon(tmp_path: Path, dataserver: Proc, shm_root: Path) -> Iterator[C
 
 
 @contextmanager
-def cluster_in(mode: str, tmp_path: Path, data_dir: Path, nodes: int) -> Iterator["LocalCluster"]:
+def cluster_in(mode: str, tmp_path: Path, data_dir: Path, nodes: int) -> Iterator[LocalCluster]:
     """A LocalCluster on loopback, or on ``nodes`` network namespaces (1 Gbit/s links; skipped
     without root); the namespaces are deleted afterwards, even on failure, and checked gone."""
-    from trainer_client.local_cluster import LocalCluster
-    from trainer_client.netns import Netns, available, leftovers
+    from ffplane_harness.local_cluster import LocalCluster
+    from ffplane_harness.netns import Netns, available, leftovers
 
     net = None
     if mode == "netns":

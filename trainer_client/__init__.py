@@ -10,37 +10,41 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer_client.batches import Batch
-    from trainer_client.checkpointer import Checkpointer, Restored
-    from trainer_client.dataloader import DataLoader
-    from trainer_client.errors import (
+    from dataserver.protocol.errors import (
         CapacityError,
+        ConflictError,
         CorruptError,
         FFPlaneError,
         FFTimeoutError,
         NotFoundError,
         TransportError,
         UnauthorisedError,
+        UnavailableError,
     )
+    from trainer_client.batches import Batch
+    from trainer_client.checkpointer import Checkpointer, Restored
+    from trainer_client.dataloader import DataLoader
     from trainer_client.link_hints import LinkHints
     from trainer_client.razor import Layout
     from trainer_client.state_codec import StateError
 
 _HOME = {
-    "Batch": "batches",
-    "CapacityError": "errors",
-    "Checkpointer": "checkpointer",
-    "CorruptError": "errors",
-    "DataLoader": "dataloader",
-    "FFPlaneError": "errors",
-    "FFTimeoutError": "errors",
-    "Layout": "razor",
-    "LinkHints": "link_hints",
-    "NotFoundError": "errors",
-    "Restored": "checkpointer",
-    "StateError": "state_codec",
-    "TransportError": "errors",
-    "UnauthorisedError": "errors",
+    "Batch": "trainer_client.batches",
+    "CapacityError": "dataserver.protocol.errors",
+    "Checkpointer": "trainer_client.checkpointer",
+    "CorruptError": "dataserver.protocol.errors",
+    "ConflictError": "dataserver.protocol.errors",
+    "DataLoader": "trainer_client.dataloader",
+    "FFPlaneError": "dataserver.protocol.errors",
+    "FFTimeoutError": "dataserver.protocol.errors",
+    "Layout": "trainer_client.razor",
+    "LinkHints": "trainer_client.link_hints",
+    "NotFoundError": "dataserver.protocol.errors",
+    "Restored": "trainer_client.checkpointer",
+    "StateError": "trainer_client.state_codec",
+    "TransportError": "dataserver.protocol.errors",
+    "UnauthorisedError": "dataserver.protocol.errors",
+    "UnavailableError": "dataserver.protocol.errors",
 }
 __all__ = sorted(_HOME)
 
@@ -48,7 +52,7 @@ __all__ = sorted(_HOME)
 def __getattr__(name: str) -> Any:
     if name not in _HOME:
         raise AttributeError(f"module 'trainer_client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"trainer_client.{_HOME[name]}"), name)
+    value = getattr(importlib.import_module(_HOME[name]), name)
     if not any(n in globals() for n in _HOME):
         from trainer_client.events import emit
 

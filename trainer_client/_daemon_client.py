@@ -1,4 +1,4 @@
-"""Blocking client of the daemon's Unix control socket (see ``statestore.control``)."""
+"""Blocking client of the daemon's Unix control socket (the protocol: ``statestore.protocol.control``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from trainer_client.errors import FFTimeoutError, TransportError, for_status
+from dataserver.protocol.errors import FFTimeoutError, TransportError
+from statestore.protocol.control import Request, decode_reply, encode
 
 _COLLECT_AFTER = 32  # unread replies (~100 bytes each) before send() collects the arrived ones
 
@@ -27,7 +28,7 @@ class DaemonClient:
         self.root = Path(socket_path).parent
         self._unread = 0  # replies to requests sent with send(), read before the next call's
 
-    def send(self, **msg: Any) -> None:
+    def send(self, msg: Request) -> None:
         """Send a request whose reply is read (and checked) later: here, once it has arrived,
         or before the next ``call``'s."""
         self._write(msg)
@@ -42,7 +43,7 @@ class DaemonClient:
                 self._read(msg)
                 self._unread -= 1
 
-    def post(self, **msg: Any) -> None:
+    def post(self, msg: Request) -> None:
         """Send a request whose reply the caller reads with ``reply`` before any other call."""
         self._write(msg)
 
@@ -50,39 +51,39 @@ class DaemonClient:
         """Whether a reply has arrived (waiting at most ``wait_s``)."""
         return bool(select.select([self._sock], [], [], wait_s)[0])
 
-    def reply(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def reply(self, msg: Request) -> Any:
         """The reply to ``msg``, sent with ``post``."""
         return self._read(msg)
 
-    def call(self, **msg: Any) -> dict[str, Any]:
+    def call(self, msg: Request) -> Any:
         self._write(msg)
         while self._unread:
             self._read(msg)
             self._unread -= 1
         return self._read(msg)
 
-    def _write(self, msg: dict[str, Any]) -> None:
+    def _write(self, msg: Request) -> None:
         try:
-            self._sock.sendall(json.dumps(msg).encode() + b"\n")
+            self._sock.sendall(encode(msg))
         except OSError as exc:
             raise TransportError(f"daemon at {self.socket_path} went away: {exc}") from exc
 
-    def _read(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _read(self, msg: Request) -> Any:
         try:
             line = self._file.readline()
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             # A late answer would be read as the reply to the next request: this connection
             # is done; the caller reconnects.
             self.close()
-            raise FFTimeoutError(f"daemon at {self.socket_path} did not answer {msg.get('op')!r} in time") from exc
+            raise FFTimeoutError(f"daemon at {self.socket_path} did not answer {msg.op!r} in time") from exc
         except OSError as exc:
             raise TransportError(f"daemon at {self.socket_path} went away: {exc}") from exc
         if not line:
             raise TransportError(f"daemon at {self.socket_path} closed the connection")
-        reply: dict[str, Any] = json.loads(line)
-        if not reply.get("ok"):
-            raise for_status(int(reply.get("status", 500)), str(reply.get("error")))
-        return reply
+        try:
+            return decode_reply(msg, json.loads(line))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransportError(f"daemon at {self.socket_path} answered {msg.op!r} with {line[:200]!r}: {exc}") from exc
 
     def close(self) -> None:
         self._file.close()

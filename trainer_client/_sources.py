@@ -13,9 +13,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from dataserver.protocol.auth import bearer
+from dataserver.protocol.errors import CorruptError, TransportError, error_from
+from statestore.protocol.control import Get, Invalidate, Open
+from statestore.protocol.files import step_file
 from trainer_client._daemon_client import DaemonClient
 from trainer_client.batches import StepBytes
-from trainer_client.errors import CorruptError, TransportError, for_status
 
 log = logging.getLogger(__name__)
 Step = tuple[StepBytes, pa.RecordBatch, dict[str, str]]
@@ -36,22 +39,21 @@ class DaemonSource:
 
     def __init__(self, socket_path: Path, job: str, dp_rank: int, token: str | None, timeout_s: float) -> None:
         self.client = DaemonClient(socket_path, timeout_s)
-        opened = self.client.call(op="open", job=job, dp_rank=dp_rank, token=token)
-        self.steps_dir = self.client.root / opened["steps"] if "steps" in opened else None
+        opened = self.client.call(Open(job, dp_rank, token))
+        self.steps_dir = self.client.root / opened.steps
 
     def get(self, step: int) -> Step:
         if self.steps_dir is not None:
             # Already published: map it now; the get that moves our position is answered later.
-            path = self.steps_dir / f"{step:012d}.arrow"
+            path = self.steps_dir / step_file(step)
             try:
                 step_bytes = StepBytes.map(path)
             except FileNotFoundError:
                 pass
             else:
-                self.client.send(op="get", step=step)
+                self.client.send(Get(step))
                 return _one(step_bytes, step, f"daemon cache {path}")
-        reply = self.client.call(op="get", step=step)
-        path = self.client.root / reply["path"]
+        path = self.client.root / self.client.call(Get(step)).path
         try:
             step_bytes = StepBytes.map(path)
         except FileNotFoundError as exc:  # evicted between reply and open: only on a far replay
@@ -60,7 +62,7 @@ class DaemonSource:
 
     def invalidate(self, step: int) -> None:
         """Ask the daemon to drop its cached copy of ``step`` (it was planned before a re-plan)."""
-        self.client.call(op="invalidate", step=step)
+        self.client.call(Invalidate(step))
 
     def close(self) -> None:
         self.client.close()
@@ -79,16 +81,14 @@ class HttpSource:
 
     def _request(self, path: str, params: dict[str, Any] | None = None) -> bytes:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        req = urllib.request.Request(f"{self.url}{path}{query}")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
+        req = urllib.request.Request(f"{self.url}{path}{query}", headers=bearer(self.token))
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 body: bytes = resp.read()
                 return body
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
-            raise for_status(exc.code, f"data server {self.url}{path}: {exc.code} {detail}") from exc
+            raise error_from(exc.code, f"data server {self.url}{path}: {exc.code} {detail}") from exc
         except (OSError, http.client.HTTPException) as exc:  # incl. a body cut short
             raise TransportError(f"cannot reach the data server at {self.url}: {exc!r}") from exc
 

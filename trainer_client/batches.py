@@ -15,15 +15,15 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from trainer_client.pagemap import populate_read
+from dataserver.protocol.pagemap import populate_read
 
-Batch = dict[str, Union[torch.Tensor, list[Any]]]
+Batch = dict[str, torch.Tensor | list[Any]]
 
 
 class StepBytes:

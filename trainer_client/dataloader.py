@@ -9,22 +9,20 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from dataserver.protocol.auth import TOKEN_ENV
+from dataserver.protocol.errors import CorruptError, FFPlaneError, FFTimeoutError, TransportError
+from statestore.protocol import files
 from trainer_client._sources import DaemonSource, HttpSource, Step
 from trainer_client.batches import Batch, StepBytes
 from trainer_client.events import emit, events_on
-from trainer_client.errors import CorruptError, FFPlaneError, FFTimeoutError, TransportError
 
 log = logging.getLogger(__name__)
 
 DATASERVER_ENV = "FFPLANE_DATASERVER"
-SOCKET_ENV = "FFPLANE_DAEMON_SOCKET"
-TOKEN_ENV = "FFPLANE_TOKEN"
-DEFAULT_SOCKET = Path("/dev/shm/ffplane/daemon.sock")
 _HELD_STEPS = 2  # steps handed out whose mapping the loader still holds (released by the look-ahead)
 
 
@@ -63,7 +61,7 @@ class DataLoader:
         self.job, self.dp_rank = job, dp_rank
         self.dataserver = dataserver or os.environ.get(DATASERVER_ENV)
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
-        self.socket_path = Path(socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
+        self.socket_path = files.socket_path(socket_path)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s=}")
         self.transform = transform
@@ -140,7 +138,9 @@ class DataLoader:
             elif isinstance(self._source, DaemonSource):
                 self._source.invalidate(step)
             found = self._fetch_any(step)
-        raise CorruptError(f"step {step} of job {self.job!r} keeps arriving from generation {found[2].get('generation')}, the job says {self._expected_generation(step)}")
+        raise CorruptError(
+            f"step {step} of job {self.job!r} keeps arriving from generation {found[2].get('generation')}, the job says {self._expected_generation(step)}"
+        )
 
     def _fetch_any(self, step: int) -> Step:
         if self._source is None:
@@ -218,8 +218,7 @@ class DataLoader:
             raise FFPlaneError(f"DataLoader state lacks {sorted(missing)}")
         if state["job"] != self.job or state["dp_rank"] != self.dp_rank:
             raise FFPlaneError(
-                f"state is for job {state['job']!r} dp_rank {state['dp_rank']}, this loader reads "
-                f"job {self.job!r} dp_rank {self.dp_rank}"
+                f"state is for job {state['job']!r} dp_rank {state['dp_rank']}, this loader reads job {self.job!r} dp_rank {self.dp_rank}"
             )
         step = state["next_step"]
         if not isinstance(step, int) or step < 0:

@@ -14,31 +14,27 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-from trainer_client.dataloader import DEFAULT_SOCKET, SOCKET_ENV
-
-_HINT_BYTES = 8
+from statestore.protocol import files
 
 
 class LinkHints:
     def __init__(self, socket_path: str | os.PathLike[str] | None = None) -> None:
-        root = Path(socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET).parent
-        directory = root / "hints"
+        root = files.socket_path(socket_path).parent
+        directory = root / files.HINTS_DIR
         if not directory.is_dir():
             raise FileNotFoundError(f"no hints folder at {directory}: is the node daemon running with root {root}?")
-        self.path = directory / str(os.getpid())
+        self.path = files.hint_path(root, os.getpid())
         # never truncate: the daemon may have this file mapped (a second LinkHints in the process)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size < _HINT_BYTES:
-                os.ftruncate(fd, _HINT_BYTES)
-            self._mm = mmap.mmap(fd, _HINT_BYTES)
+            if os.fstat(fd).st_size < files.HINT.size:
+                os.ftruncate(fd, files.HINT.size)
+            self._mm = mmap.mmap(fd, files.HINT.size)
         finally:
             os.close(fd)
         self._depth = 0
@@ -47,7 +43,7 @@ class LinkHints:
     def _add(self, delta: int) -> None:
         with self._lock:
             self._depth = max(0, self._depth + delta)
-            struct.pack_into("<q", self._mm, 0, self._depth)
+            files.HINT.pack_into(self._mm, 0, self._depth)
 
     @property
     def busy(self) -> bool:

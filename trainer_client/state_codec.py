@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trainer_client.errors import FFPlaneError
+from dataserver.protocol.errors import FFPlaneError
 
 ALIGN = 64  # storage start alignment in the byte stream (cache line; any dtype)
 _DTYPES = {
@@ -72,7 +72,14 @@ class Encoded:
         # per save for an AdamW state of ~60 tensors (65 % of the save's Python time).
         return {
             "tensors": [
-                {"storage": t.storage, "dtype": t.dtype, "shape": t.shape, "stride": t.stride, "storage_offset": t.storage_offset, "requires_grad": t.requires_grad}
+                {
+                    "storage": t.storage,
+                    "dtype": t.dtype,
+                    "shape": t.shape,
+                    "stride": t.stride,
+                    "storage_offset": t.storage_offset,
+                    "requires_grad": t.requires_grad,
+                }
                 for t in self.tensors
             ],
             "storages": [{"stream": s.stream, "offset": s.offset, "nbytes": s.nbytes} for s in self.storages],
@@ -137,7 +144,9 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Enc
             offset = enc.stream_nbytes[stream]
             enc.storages.append(StorageEntry(stream, offset, nbytes))
             known = prev_ids.get(skey)
-            enc.sources.append(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)) if known is None else prev_sources[known])
+            enc.sources.append(
+                torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)) if known is None else prev_sources[known]
+            )
             enc.stream_nbytes[stream] = offset + -(-nbytes // ALIGN) * ALIGN
             enc.storage_ids[skey] = sid
         enc.tensors.append(TensorRef(sid, dtype, list(t.shape), list(t.stride()), int(t.storage_offset()), t.requires_grad))
@@ -147,7 +156,12 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Enc
     return enc
 
 
-def decode(header: dict[str, Any], storages: list[torch.Tensor], into: Any = None, copy: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None) -> Any:
+def decode(
+    header: dict[str, Any],
+    storages: list[torch.Tensor],
+    into: Any = None,
+    copy: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+) -> Any:
     """Rebuild the state from ``storages`` (uint8 tensors, one per storage entry).
 
     With ``into`` (a state of the same structure), every tensor is copied into the caller's

@@ -77,8 +77,6 @@ def stop(directory: Path) -> None:
     the folder."""
     import shutil
 
-    from trainer_client.torchrun import kill_tree
-
     for pidfile in directory.glob("*.pid"):
         try:
             pid = int(pidfile.read_text())
@@ -88,6 +86,32 @@ def stop(directory: Path) -> None:
         if b"trainer_client.warm_start" in cmdline and str(pidfile.with_suffix(".sock")).encode() in cmdline:
             kill_tree(pid)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts each worker in a session of its own, so a
+    process group is not enough to end them)."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and everything it started — a node's processes all die at once."""
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 # ---- the worker's stand-in ------------------------------------------------------------------
@@ -117,7 +141,9 @@ def _connect(path: Path) -> socket.socket | None:
 
 
 def _stand_in(conn: socket.socket, argv: list[str]) -> int:
-    header = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": bool(getattr(sys.stdout, "write_through", False))}).encode()
+    header = json.dumps(
+        {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": bool(getattr(sys.stdout, "write_through", False))}
+    ).encode()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     socket.send_fds(conn, [_LEN.pack(len(header)) + header], [0, 1, 2])
@@ -176,7 +202,11 @@ def _start_zygote(path: Path) -> None:
     try:
         subprocess.Popen(
             [sys.executable, "-m", "trainer_client.warm_start", "--serve", str(path)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            close_fds=True,
         )
     finally:
         log.close()
@@ -342,7 +372,19 @@ class _Zygote:
 
 def _log(msg: str, level: str = "info", **fields: Any) -> None:
     """One structured line on the zygote's stderr (its log file, beside the socket)."""
-    print(json.dumps({"ts": round(time.time(), 3), "level": level, "logger": __name__.replace("__main__", "trainer_client.warm_start"), "msg": msg, **fields}), file=sys.stderr, flush=True)
+    print(
+        json.dumps(
+            {
+                "ts": round(time.time(), 3),
+                "level": level,
+                "logger": __name__.replace("__main__", "trainer_client.warm_start"),
+                "msg": msg,
+                **fields,
+            }
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -359,7 +401,13 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     if len(fds) != 3:
         raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
     request = json.loads(body)
-    if not (isinstance(request, dict) and isinstance(request.get("argv"), list) and request["argv"] and isinstance(request.get("env"), dict) and isinstance(request.get("cwd"), str)):
+    if not (
+        isinstance(request, dict)
+        and isinstance(request.get("argv"), list)
+        and request["argv"]
+        and isinstance(request.get("env"), dict)
+        and isinstance(request.get("cwd"), str)
+    ):
         raise ValueError("header needs argv (non-empty list), env (object) and cwd (string)")
     return request, fds
 
@@ -374,7 +422,14 @@ def serve(path: Path, idle_s: float) -> int:
         return 0  # another worker's zygote won the race
     started = time.perf_counter()
     # torch._dynamo: DDP's constructor imports it (sympy and all), ~1 s of CPU more than torch
-    preload = ["torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo", *filter(None, os.environ.get(PRELOAD_ENV, "").split(","))]
+    preload = [
+        "torch",
+        "torch.distributed",
+        "torch.nn.parallel",
+        "torch.optim",
+        "torch._dynamo",
+        *filter(None, os.environ.get(PRELOAD_ENV, "").split(",")),
+    ]
     for name in preload:
         importlib.import_module(name.strip())
     _log("zygote ready", socket=str(path), preloaded=preload, import_s=round(time.perf_counter() - started, 3), idle_exit_s=idle_s)

@@ -10,12 +10,39 @@ from bench import data_path
 
 
 def test_data_path_smoke(tmp_path: Path) -> None:
-    out = data_path.main([
-        "--gib", "0.02", "--batch", "32", "--seq", "256", "--steps", "6", "--cached-steps", "4",
-        "--repeats", "1", "--no-mosaic", "--work", str(tmp_path / "work"), "--results-dir", str(tmp_path), "--out", "dp",
-    ])
+    out = data_path.main(
+        [
+            "--gib",
+            "0.02",
+            "--batch",
+            "32",
+            "--seq",
+            "256",
+            "--steps",
+            "6",
+            "--cached-steps",
+            "4",
+            "--repeats",
+            "1",
+            "--no-mosaic",
+            "--work",
+            str(tmp_path / "work"),
+            "--results-dir",
+            str(tmp_path),
+            "--out",
+            "dp",
+        ]
+    )
     saved = json.loads((tmp_path / "dp.json").read_text())
-    for name in ("memcpy_gbps", "loopback_tcp_gbps", "http_stack_gbps", "end_to_end_bound_gbps", "node_cache_read_gbps", "end_to_end_gbps", "torch_dataloader_local_gbps"):
+    for name in (
+        "memcpy_gbps",
+        "loopback_tcp_gbps",
+        "http_stack_gbps",
+        "end_to_end_bound_gbps",
+        "node_cache_read_gbps",
+        "end_to_end_gbps",
+        "torch_dataloader_local_gbps",
+    ):
         assert saved["figures"][name]["median"] > 0, name
     assert set(out["targets"]) >= {"node_cache_read_vs_memcpy", "end_to_end_vs_loopback_tcp"}
     if os.geteuid() == 0:  # it could mount the huge-page tmpfs, so it also measured /dev/shm
@@ -28,7 +55,15 @@ def test_checkpoint_smoke(tmp_path: Path) -> None:
 
     out = checkpoint.main(["--sizes-mb", "4", "--repeats", "1", "--no-dlrover", "--results-dir", str(tmp_path), "--out", "ck"])
     fig = out["figures"]["4MiB"]
-    for name in ("save_block_s", "memcpy_s", "torch_save_shm_s", "torch_save_disk_s", "dcp_async_save_block_s", "restore_s", "torch_load_shm_s"):
+    for name in (
+        "save_block_s",
+        "memcpy_s",
+        "torch_save_shm_s",
+        "torch_save_disk_s",
+        "dcp_async_save_block_s",
+        "restore_s",
+        "torch_load_shm_s",
+    ):
         assert fig[name]["median"] > 0, name
     assert (tmp_path / "ck.json").exists()
 
@@ -50,7 +85,7 @@ def test_coordinator_scale_smoke(tmp_path: Path) -> None:
 def _needs_netns() -> None:
     import pytest
 
-    from trainer_client.netns import available
+    from ffplane_harness.netns import available
 
     why = available()
     if why:
@@ -70,7 +105,9 @@ def test_link_gate_smoke(tmp_path: Path) -> None:
     _needs_netns()
     from bench import link_gate
 
-    out = link_gate.main(["--bursts", "2", "--burst-mb", "2", "--state-mb", "4", "--repeats", "1", "--results-dir", str(tmp_path), "--out", "lg"])
+    out = link_gate.main(
+        ["--bursts", "2", "--burst-mb", "2", "--state-mb", "4", "--repeats", "1", "--results-dir", str(tmp_path), "--out", "lg"]
+    )
     # a 0.2 s TRAIN window may see no STATE chunk at all: the smoke checks the figures exist, not their size
     assert out["figures"]["train_alone_s"]["median"] > 0 and {"state_bytes_ungated", "gated_idle_capacity_used"} <= set(out["figures"])
     assert (tmp_path / "lg.json").exists()
@@ -80,7 +117,9 @@ def test_recovery_smoke(tmp_path: Path) -> None:
     """Both sides of bench/recovery.py start, fail, recover and are timed (one of each failure)."""
     from bench import recovery
 
-    out = recovery.main(["--repeats", "1", "--goodput-failures", "1", "--goodput-interval", "10", "--k", "10", "--results-dir", str(tmp_path)])
+    out = recovery.main(
+        ["--repeats", "1", "--goodput-failures", "1", "--goodput-interval", "10", "--k", "10", "--results-dir", str(tmp_path)]
+    )
     assert set(out["figures"]) == {"ffplane", "torch.save K=10"}
     for side in out["figures"].values():
         for kind in ("worker SIGKILL", "node loss"):
@@ -102,8 +141,28 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
 def test_reader_steps_smoke(tmp_path: Path) -> None:
     from bench import reader_steps
 
-    out = reader_steps.main(["--gib", "0.02", "--batch", "32", "--seq", "256", "--steps", "8", "--repeats", "1",
-                             "--work", str(tmp_path / "data"), "--huge", "off", "--results-dir", str(tmp_path), "--out", "rs"])
+    out = reader_steps.main(
+        [
+            "--gib",
+            "0.02",
+            "--batch",
+            "32",
+            "--seq",
+            "256",
+            "--steps",
+            "8",
+            "--repeats",
+            "1",
+            "--work",
+            str(tmp_path / "data"),
+            "--huge",
+            "off",
+            "--results-dir",
+            str(tmp_path),
+            "--out",
+            "rs",
+        ]
+    )
     assert out["figures"]["copy_step_ms"]["median"] > 0
     assert 0 <= out["figures"]["copy_ahead_fraction"]["median"] <= 1
 
@@ -118,8 +177,28 @@ def test_save_cpu_smoke(tmp_path: Path) -> None:
 def test_path_cpu_smoke(tmp_path: Path) -> None:
     from bench import path_cpu
 
-    out = path_cpu.main(["--gib", "0.02", "--batch", "32", "--seq", "256", "--steps", "8", "--repeats", "1",
-                         "--work", str(tmp_path / "data"), "--huge", "off", "--results-dir", str(tmp_path), "--out", "pc"])
+    out = path_cpu.main(
+        [
+            "--gib",
+            "0.02",
+            "--batch",
+            "32",
+            "--seq",
+            "256",
+            "--steps",
+            "8",
+            "--repeats",
+            "1",
+            "--work",
+            str(tmp_path / "data"),
+            "--huge",
+            "off",
+            "--results-dir",
+            str(tmp_path),
+            "--out",
+            "pc",
+        ]
+    )
     f = out["figures"]
     assert f["dataserver_ms"]["median"] > 0 and f["daemon_ms"]["median"] > 0 and f["stack_ms"]["median"] > 0
     assert abs(f["total_ms"]["median"] - sum(f[k]["median"] for k in ("dataserver_ms", "daemon_ms", "reader_ms"))) < 1e-6

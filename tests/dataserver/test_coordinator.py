@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from dataserver import coordinator as co
+from dataserver.protocol import heartbeat as co
+from ffplane_harness.local_cluster import LocalCluster
 from tests._servers import TOKEN, until
 from trainer_client import Checkpointer, Layout
-from trainer_client.local_cluster import LocalCluster
 
 
 @pytest.fixture
@@ -127,7 +127,12 @@ class _Udp:
         self.addr = (c.dataserver.url.split("//")[1].split(":")[0], _nodes(c)["udp_port"])
 
     def register(self, address: str = "http://10.9.9.9:1") -> dict[str, Any]:
-        body = {"node_id": self.node_id, "address": address, "budget_bytes": 1, "udp": {"session": self.session.hex(), "counter": self.counter, "inv_version": 0}}
+        body = {
+            "node_id": self.node_id,
+            "address": address,
+            "budget_bytes": 1,
+            "udp": {"session": self.session.hex(), "counter": self.counter, "inv_version": 0},
+        }
         r = httpx.post(self.url + "/v1/nodes/heartbeat", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 200, r.text
         return r.json()
@@ -136,14 +141,13 @@ class _Udp:
         if counter is None:
             self.counter += 1
             counter = self.counter
-        self.sock.sendto(co.encode_beat(key or self.key, kind, self.node_id, self.session, counter, 0, 0, 0, payload), self.addr)
+        self.sock.sendto(co.Beat(kind, self.node_id, self.session, counter, 0, 0, 0, payload).encode(key or self.key), self.addr)
         return counter
 
     def answer(self) -> tuple[int, int, int, int, int, bytes]:
-        data = self.sock.recv(65536)
-        a = co.decode_answer(self.key, data)
+        a = co.Answer.decode(self.key, self.sock.recv(65536))
         assert a is not None, "unauthentic answer"
-        return a
+        return a.status, a.view, a.counter, a.epoch, a.version, a.events
 
 
 def test_datagrams_need_the_token_a_registration_and_a_fresh_counter(tmp_path: Path, data_dir: Path) -> None:
@@ -158,7 +162,7 @@ def test_datagrams_need_the_token_a_registration_and_a_fresh_counter(tmp_path: P
         ghost.register()
         # forged: signed with another key, or a broken MAC; both dropped unanswered
         ghost.send(key=b"not-the-token")
-        ghost.sock.sendto(co.encode_beat(ghost.key, co.KIND_BEAT, "ghost", ghost.session, 99, 0, 0, 0)[:-1] + b"x", ghost.addr)
+        ghost.sock.sendto(co.Beat(co.KIND_BEAT, "ghost", ghost.session, 99, 0, 0, 0).encode(ghost.key)[:-1] + b"x", ghost.addr)
         ok = ghost.send()
         assert ghost.answer()[2] == ok  # the first answer is to the authentic beat sent after them
         # (counters are >=: a stray daemon of another test may hit this ephemeral port too)
@@ -180,7 +184,12 @@ def test_inventory_over_udp_is_decoded_for_status_and_view_events_follow(tmp_pat
         view = a.register()
         b.register("http://10.9.9.10:1")  # two live members cannot share an address
         inventory = {"job": {"dp0-pp0-tp0": [{"step": 7, "checksum": "0" * 16, "nbytes": 1, "layout_roles": ["dp0-pp0-tp0"]}]}}
-        a.sock.sendto(co.encode_beat(a.key, co.KIND_INV, "a", a.session, 5, 5, view["epoch"], view["version"], co.encode_inventory(inventory, [{"pid": 1}])), a.addr)
+        a.sock.sendto(
+            co.Beat(co.KIND_INV, "a", a.session, 5, 5, view["epoch"], view["version"], co.encode_inventory(inventory, [{"pid": 1}])).encode(
+                a.key
+            ),
+            a.addr,
+        )
         a.counter = 5
         status, vflag, _, _, version, events = a.answer()
         # b joined after a's registration answer: a's answer carries that event
@@ -190,7 +199,7 @@ def test_inventory_over_udp_is_decoded_for_status_and_view_events_follow(tmp_pat
         # a beat naming another inventory version than the coordinator holds: resend it
         assert a.send(co.KIND_BEAT) and a.answer()[0] == co.STATUS_STALE
         # an unknown view epoch: fetch the whole view
-        a.sock.sendto(co.encode_beat(a.key, co.KIND_BEAT, "a", a.session, 9, 5, 1, version), a.addr)
+        a.sock.sendto(co.Beat(co.KIND_BEAT, "a", a.session, 9, 5, 1, version).encode(a.key), a.addr)
         assert a.answer()[1] == co.VIEW_FULL
         # the encoded whole view is refreshed at most every 0.1 s (consistent with the version it names)
         full = until(lambda: (v := httpx.get(ds.url + "/v1/nodes/view", params={"node_id": "a"}).json())["version"] == version and v)

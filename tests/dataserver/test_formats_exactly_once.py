@@ -22,7 +22,11 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture
 def server_with_lmdb(tmp_path: Path, data_dir: Path) -> Iterator[Proc]:
     n = 230
-    write_lmdb(data_dir / "lmdb_tokens", [np.full(8, i, dtype=np.int32).tobytes() for i in range(n)], {"num_samples": n, "column": "tokens", "dtype": "int32", "shape": [8]})
+    write_lmdb(
+        data_dir / "lmdb_tokens",
+        [np.full(8, i, dtype=np.int32).tobytes() for i in range(n)],
+        {"num_samples": n, "column": "tokens", "dtype": "int32", "shape": [8]},
+    )
     write_lmdb(data_dir / "lmdb_blobs", [i.to_bytes(4, "little") * (1 + i % 5) for i in range(n)], None)
     proc = start("dataserver", ["serve", "--data-dir", str(data_dir), "--port", "0"], tmp_path, "ds-formats")
     try:

@@ -27,7 +27,9 @@ JOB = {"name": "j1", "dataset": "tokens", "dp": 2, "batch_per_rank": 8, "seed": 
 def serve(tmp_path: Path, data_dir: Path) -> Iterator[Callable[..., Proc]]:
     """Start a data server with extra flags (state in ``tmp_path/state``); all stopped at the end."""
     with launcher(tmp_path, "dataserver") as launch:
-        yield lambda *extra: launch(["serve", "--data-dir", str(data_dir), "--state-dir", str(tmp_path / "state"), "--port", "0", *extra], "dataserver")
+        yield lambda *extra: launch(
+            ["serve", "--data-dir", str(data_dir), "--state-dir", str(tmp_path / "state"), "--port", "0", *extra], "dataserver"
+        )
 
 
 def _beat(url: str, node_id: str, address: str, **extra: Any) -> httpx.Response:
@@ -105,7 +107,9 @@ def test_a_generation_cannot_start_at_a_served_step_even_after_a_restart(serve: 
     assert httpx.post(ds.url + "/v1/jobs", json=JOB, headers=AUTH).status_code == 201
     assert _fetch(ds, 0, 0, 4).status_code == 200 and _fetch(ds, 1, 5).status_code == 200  # steps 0-3 and 5
     r = _generation(ds, 3)
-    assert r.status_code == 409 and "up to step 5 have been served" in r.json()["detail"] and "step 6 or later" in r.json()["detail"], r.text
+    assert r.status_code == 409 and "up to step 5 have been served" in r.json()["detail"] and "step 6 or later" in r.json()["detail"], (
+        r.text
+    )
     ds.stop()
     ds = serve()
     r = _generation(ds, 5)
@@ -145,7 +149,9 @@ def test_replan_served_may_replan_prefetched_steps_but_never_a_committed_one(dat
         ({"start_step": 10, "dp": 2**20, "batch_per_rank": 2**20}, "samples per step"),
     ],
 )
-def test_a_generation_past_max_steps_or_out_of_bounds_is_refused_and_nothing_written(serve: Callable[..., Proc], tmp_path: Path, body: dict[str, Any], needle: str) -> None:
+def test_a_generation_past_max_steps_or_out_of_bounds_is_refused_and_nothing_written(
+    serve: Callable[..., Proc], tmp_path: Path, body: dict[str, Any], needle: str
+) -> None:
     ds = serve()
     assert httpx.post(ds.url + "/v1/jobs", json=JOB, headers=AUTH).status_code == 201
     record = (tmp_path / "state" / "j1.json").read_bytes()
@@ -263,7 +269,9 @@ def test_a_chunked_body_is_counted_as_it_arrives(dataserver: Proc) -> None:
         yield b"]}"
 
     try:
-        r = httpx.post(dataserver.url + "/v1/nodes/heartbeat", content=body(), headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
+        r = httpx.post(
+            dataserver.url + "/v1/nodes/heartbeat", content=body(), headers={**AUTH, "Content-Type": "application/json"}, timeout=60
+        )
         status = r.status_code
     except httpx.HTTPError:  # the server may close the connection while we are still sending
         status = 413
@@ -275,7 +283,9 @@ def test_a_chunked_body_is_counted_as_it_arrives(dataserver: Proc) -> None:
 def test_a_member_that_goes_silent_is_declared_dead_then_forgotten(serve: Callable[..., Proc]) -> None:
     ds = serve("--dead-after-s", "0.3", "--forget-dead-after-s", "1")
     inventory = {"j1": {"dp0-pp0-tp0": [{"step": 7, "checksum": "0" * 16, "nbytes": 1, "layout_roles": ["dp0-pp0-tp0", "dp1-pp0-tp0"]}]}}
-    assert _beat(ds.url, "fake", "http://10.9.9.9:1", inventory=inventory, workers=[{"pid": 1, "job": "j1", "dp_rank": 0}]).status_code == 200
+    assert (
+        _beat(ds.url, "fake", "http://10.9.9.9:1", inventory=inventory, workers=[{"pid": 1, "job": "j1", "dp_rank": 0}]).status_code == 200
+    )
     until(lambda: httpx.get(ds.url + "/v1/nodes/fake").json().get("alive") is False, what="fake declared dead")
     assert httpx.get(ds.url + "/v1/nodes").json()["ring"] == []
     until(lambda: httpx.get(ds.url + "/v1/nodes/fake").status_code == 404, what="fake forgotten")
@@ -314,7 +324,9 @@ def test_big_bodies_are_streamed_and_small_ones_sent_whole(dataserver: Proc) -> 
     small = httpx.get(f"{dataserver.url}/v1/jobs/small/batches", params={"dp_rank": 0, "start": 0, "count": 4}, headers=AUTH)
     assert small.status_code == 200 and small.headers["content-length"] == str(len(small.content))
     planner = Planner(300, 5, [Generation(0, 1, 250_000)])
-    with httpx.stream("GET", f"{dataserver.url}/v1/jobs/j1/batches", params={"dp_rank": 0, "start": 0, "count": 3}, headers=AUTH, timeout=120) as r:
+    with httpx.stream(
+        "GET", f"{dataserver.url}/v1/jobs/j1/batches", params={"dp_rank": 0, "start": 0, "count": 3}, headers=AUTH, timeout=120
+    ) as r:
         assert r.status_code == 200 and "content-length" not in r.headers and r.headers.get("transfer-encoding") == "chunked"
         assert httpx.get(dataserver.url + "/v1/health").json() == {"status": "ok"}  # answered mid-stream
         data = r.read()

@@ -130,10 +130,16 @@ def _gz_lines(n: int) -> bytes:
         # cut short after about half its compressed bytes: the records before the cut are valid
         ("cut.jsonl.gz", _gz_lines(2000)[:3000], r"cut\.jsonl\.gz:\d+: the gzip data is truncated or corrupt"),
         ("plain.jsonl.gz", b'{"a": 1}\n{"a": 2}\n', r"plain\.jsonl\.gz:1: the file is not gzip data.*drop the \.gz suffix"),
-        ("big.jsonl", b'{"a": 1, "b": [2]}\n{"a": 1180591620717411303424, "b": [3]}\n',
-         r"big\.jsonl:2: field 'a' holds the integer 1180591620717411303424, outside the 64-bit range.*string"),
-        ("bigtok.jsonl", b'{"t": [1, 2]}\n' * 4100 + b'{"t": [3, -1180591620717411303424]}\n',
-         r"bigtok\.jsonl:4101: field 't\[1\]' holds the integer -1180591620717411303424"),
+        (
+            "big.jsonl",
+            b'{"a": 1, "b": [2]}\n{"a": 1180591620717411303424, "b": [3]}\n',
+            r"big\.jsonl:2: field 'a' holds the integer 1180591620717411303424, outside the 64-bit range.*string",
+        ),
+        (
+            "bigtok.jsonl",
+            b'{"t": [1, 2]}\n' * 4100 + b'{"t": [3, -1180591620717411303424]}\n',
+            r"bigtok\.jsonl:4101: field 't\[1\]' holds the integer -1180591620717411303424",
+        ),
         ("empty.jsonl", b"{}\n{}\n{}\n", r"empty\.jsonl:1: the record has no fields.*at least one column"),
         ("blank.jsonl", b"\n\n", r"blank\.jsonl: no records \(0 samples\)"),
         ("dup.jsonl", b'{"_sample_index": 7, "a": 1}\n', r"dup\.jsonl:1: field '_sample_index' is reserved.*rename"),

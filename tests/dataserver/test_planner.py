@@ -38,9 +38,7 @@ def test_each_epoch_is_a_fresh_shuffle_and_deterministic() -> None:
     assert not np.array_equal(other_seed.plan(0, 0).indices, a.plan(0, 0).indices)
 
 
-_changes = st.lists(
-    st.tuples(st.integers(1, 9), st.integers(1, 6), st.integers(1, 9)), min_size=0, max_size=6
-)
+_changes = st.lists(st.tuples(st.integers(1, 9), st.integers(1, 6), st.integers(1, 9)), min_size=0, max_size=6)
 
 
 @given(

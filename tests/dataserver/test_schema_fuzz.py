@@ -27,7 +27,13 @@ from tests.conftest import write_token_parquet
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MAX_EXAMPLES = 40  # per operation and generation mode; both runs take ~30 s on 2 cores
-CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance", "negative_data_rejection")
+CHECKS = (
+    "not_a_server_error",
+    "status_code_conformance",
+    "content_type_conformance",
+    "response_schema_conformance",
+    "negative_data_rejection",
+)
 
 
 @pytest.fixture(scope="module")

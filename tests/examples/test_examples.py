@@ -16,7 +16,8 @@ import torch
 
 from tests._servers import TOKEN, Proc, until
 from tests.conftest import create_job
-from trainer_client.torchrun import FRESH_STORE_ENV, kill_tree
+from trainer_client.launch import FRESH_STORE_ENV
+from trainer_client.warm_start import kill_tree
 
 REPO = Path(__file__).parents[2]
 STEPS = 16
@@ -24,10 +25,28 @@ STEPS = 16
 
 def _torchrun(script: str, args: list[str], out: Path, env: dict[str, str], restarts: int = 0) -> subprocess.Popen[bytes]:
     out.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts),
-            "--monitor-interval", "0.2", str(REPO / "examples" / script), *args, "--out", str(out), "--steps", str(STEPS)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.2",
+        str(REPO / "examples" / script),
+        *args,
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+    ]
     with open(out / "torchrun.log", "ab") as log:
-        return subprocess.Popen(argv, env={**os.environ, **FRESH_STORE_ENV, **env}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        return subprocess.Popen(
+            argv, env={**os.environ, **FRESH_STORE_ENV, **env}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+        )
 
 
 def _finish(proc: subprocess.Popen[bytes], out: Path, timeout_s: float = 240) -> None:
@@ -45,7 +64,9 @@ def _finish(proc: subprocess.Popen[bytes], out: Path, timeout_s: float = 240) ->
 
 
 def _events(directory: Path) -> list[dict[str, object]]:
-    return sorted((json.loads(line) for f in directory.glob("events-*.jsonl") for line in f.read_text().splitlines()), key=lambda e: float(e["t"]))  # type: ignore[arg-type]
+    return sorted(
+        (json.loads(line) for f in directory.glob("events-*.jsonl") for line in f.read_text().splitlines()), key=lambda e: float(e["t"])
+    )  # type: ignore[arg-type]
 
 
 def _weights_equal(a: Path, b: Path) -> bool:
@@ -60,7 +81,9 @@ def test_the_plain_example_trains_and_checkpoints_to_disk(tmp_path: Path, data_d
     assert sum(line.startswith("step ") for line in (out / "torchrun.log").read_text().splitlines()) == STEPS
 
 
-def test_the_ffplane_example_survives_a_killed_worker_bitwise(tmp_path: Path, dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+def test_the_ffplane_example_survives_a_killed_worker_bitwise(
+    tmp_path: Path, dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
     start_daemon()
     env = {"FFPLANE_DATASERVER": dataserver.url, "FFPLANE_TOKEN": TOKEN, "FFPLANE_DAEMON_SOCKET": str(shm_root / "daemon.sock")}
     for job in ("reference", "crash"):
@@ -72,7 +95,9 @@ def test_the_ffplane_example_survives_a_killed_worker_bitwise(tmp_path: Path, da
     out = tmp_path / "crash"
     proc = _torchrun("train_ffplane.py", ["--job", "crash"], out, {**env, "FFPLANE_EVENTS_DIR": str(events)}, restarts=2)
     try:
-        victim = until(lambda: next((e for e in _events(events) if e["kind"] == "saved" and e["rank"] == 1 and int(e["step"]) >= 6), None), 180)  # type: ignore[call-overload]
+        victim = until(
+            lambda: next((e for e in _events(events) if e["kind"] == "saved" and e["rank"] == 1 and int(e["step"]) >= 6), None), 180
+        )  # type: ignore[call-overload]
         saved_before = max(int(e["step"]) for e in _events(events) if e["kind"] == "saved")  # type: ignore[call-overload]
         os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
         killed_at = time.time()
@@ -90,7 +115,9 @@ def test_the_ffplane_example_survives_a_killed_worker_bitwise(tmp_path: Path, da
 
 
 def test_the_ffplane_diff_is_at_most_40_lines_and_shown_in_the_readme() -> None:
-    diff = subprocess.run(["diff", "-u", "examples/train_plain.py", "examples/train_ffplane.py"], cwd=REPO, capture_output=True, text=True).stdout
+    diff = subprocess.run(
+        ["diff", "-u", "examples/train_plain.py", "examples/train_ffplane.py"], cwd=REPO, capture_output=True, text=True
+    ).stdout
     changed = [line for line in diff.splitlines()[2:] if line[:1] in "+-" and line[1:].strip()]
     assert 0 < len(changed) <= 40, len(changed)
     readme = (REPO / "README.md").read_text()

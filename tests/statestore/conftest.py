@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ffplane_harness.local_cluster import LocalCluster
 from tests._servers import TOKEN, until
-from trainer_client.local_cluster import LocalCluster
 
 
 @pytest.fixture

@@ -12,18 +12,34 @@ import httpx
 import pytest
 import torch
 
+from ffplane_harness.local_cluster import LocalCluster
 from tests._servers import TOKEN, Proc, start, until
 from tests.conftest import cluster_in
 from trainer_client import Checkpointer
-from trainer_client.local_cluster import LocalCluster
 
 
 def _members(ds: Proc) -> dict[str, str]:
     return {n: m["address"] for n, m in httpx.get(ds.url + "/v1/nodes").json()["members"].items()}
 
 
-def test_a_daemon_listening_everywhere_advertises_the_address_that_reaches_the_data_server(tmp_path: Path, dataserver: Proc, shm_root: Path) -> None:
-    args = ["serve", "--dataserver", dataserver.url, "--root", str(shm_root), "--host", "0.0.0.0", "--port", "0", "--budget-mb", "64", "--node-id", "a"]
+def test_a_daemon_listening_everywhere_advertises_the_address_that_reaches_the_data_server(
+    tmp_path: Path, dataserver: Proc, shm_root: Path
+) -> None:
+    args = [
+        "serve",
+        "--dataserver",
+        dataserver.url,
+        "--root",
+        str(shm_root),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--budget-mb",
+        "64",
+        "--node-id",
+        "a",
+    ]
     daemon = start("statestore", args, tmp_path, "daemon")
     try:
         port = daemon.ready["port"]
@@ -35,7 +51,18 @@ def test_a_daemon_listening_everywhere_advertises_the_address_that_reaches_the_d
 
 @pytest.mark.parametrize("address", ["0.0.0.0", "::"])
 def test_an_unreachable_advertise_address_is_refused(shm_root: Path, address: str) -> None:
-    cmd = [sys.executable, "-m", "statestore", "serve", "--dataserver", "http://127.0.0.1:9", "--root", str(shm_root), "--advertise-address", address]
+    cmd = [
+        sys.executable,
+        "-m",
+        "statestore",
+        "serve",
+        "--dataserver",
+        "http://127.0.0.1:9",
+        "--root",
+        str(shm_root),
+        "--advertise-address",
+        address,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and "cannot be reached by other hosts" in r.stderr
     assert list(shm_root.iterdir()) == []
@@ -53,7 +80,12 @@ def test_two_hosts_started_without_an_address_replicate_to_each_other_and_surviv
     for _ in range(2):
         hosts.start_daemon("--host", "0.0.0.0")  # as the shipped manifests start it: listening everywhere
     addrs = [n.addr for n in hosts.net.nodes[1:]]
-    until(lambda: sorted(_members(hosts.dataserver).values()) == sorted(f"http://{a}:{d.ready['port']}" for a, d in zip(addrs, hosts.daemons)), what="each daemon at its host's address")  # type: ignore[arg-type]
+    until(
+        lambda: (
+            sorted(_members(hosts.dataserver).values()) == sorted(f"http://{a}:{d.ready['port']}" for a, d in zip(addrs, hosts.daemons))
+        ),
+        what="each daemon at its host's address",
+    )  # type: ignore[arg-type]
     ck = Checkpointer("job", socket_path=hosts.socket(0))
     for step in range(1, 4):
         ck.save(step, {"w": torch.full((64, 64), float(step))})
@@ -71,9 +103,13 @@ def test_listening_on_loopback_while_the_data_server_is_on_another_host_is_refus
     assert hosts.net is not None and hosts.dataserver is not None
     node = hosts.net.nodes[1]
     root = Path("/dev/shm") / f"ffplane-test-adv-{node.addr}"
-    cmd = node.exec_argv([sys.executable, "-m", "statestore", "serve", "--dataserver", hosts.dataserver.url, "--root", str(root), "--host", "127.0.0.1"])
+    cmd = node.exec_argv(
+        [sys.executable, "-m", "statestore", "serve", "--dataserver", hosts.dataserver.url, "--root", str(root), "--host", "127.0.0.1"]
+    )
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False, env={"FFPLANE_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"})
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=60, check=False, env={"FFPLANE_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"}
+        )
         assert r.returncode == 2 and f"pass --host {node.addr}" in r.stderr, r.stderr
         assert not root.exists()
     finally:

@@ -10,7 +10,19 @@ from tests._servers import Proc
 
 
 def _serve(shm_root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "statestore", "serve", "--dataserver", "http://127.0.0.1:9", "--root", str(shm_root), "--port", "0", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "statestore",
+        "serve",
+        "--dataserver",
+        "http://127.0.0.1:9",
+        "--root",
+        str(shm_root),
+        "--port",
+        "0",
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 

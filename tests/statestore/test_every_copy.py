@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 import torch
 
+from ffplane_harness.local_cluster import LocalCluster
 from tests._servers import Proc, until
 from tests.statestore.conftest import daemon_state, start_ring
 from trainer_client import Checkpointer, Layout
-from trainer_client.local_cluster import LocalCluster
 
 ROLE = "dp0-pp0-tp0"
 
@@ -79,7 +79,9 @@ def test_a_corrupt_copy_on_a_peer_gives_way_to_the_older_intact_step_it_holds(cl
     assert got is not None and got.step == 2 and torch.equal(got.state["w"], _state(2)["w"])
 
 
-def test_the_durable_copy_of_the_newest_step_comes_before_an_older_step_in_memory(tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+def test_the_durable_copy_of_the_newest_step_comes_before_an_older_step_in_memory(
+    tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
     daemon = start_daemon("--durable-dir", str(tmp_path / "durable"), "--durable-every", "1")
     ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
     for step in range(1, 4):

@@ -54,16 +54,10 @@ def test_cache_slots_replicas_index_and_durable_files_are_private(
 ) -> None:
     create_job(dataserver, name="j1", dp=1, max_steps=20)
     durable = tmp_path / "tier" / "durable"  # neither exists: the daemon makes both
-    primary = start_daemon(
-        "--node-id", "a", "--durable-dir", str(durable), "--durable-every", "1"
-    )
-    successor = start_daemon(
-        "--node-id", "b", "--durable-dir", str(durable), root=fresh_root, name="b"
-    )
+    primary = start_daemon("--node-id", "a", "--durable-dir", str(durable), "--durable-every", "1")
+    successor = start_daemon("--node-id", "b", "--durable-dir", str(durable), root=fresh_root, name="b")
     until(
-        lambda: (
-            len(httpx.get(f"{dataserver.url}/v1/jobs/j1/status").json()["ring"]) == 2
-        ),
+        lambda: len(httpx.get(f"{dataserver.url}/v1/jobs/j1/status").json()["ring"]) == 2,
         what="both daemons in the ring",
     )
 
@@ -88,13 +82,7 @@ def test_cache_slots_replicas_index_and_durable_files_are_private(
         what="three durable shards",
     )
     until(
-        lambda: (
-            {
-                r["step"]
-                for r in httpx.get(successor.url + "/v1/state").json()["replicas"]
-            }
-            >= {1, 2}
-        ),
+        lambda: {r["step"] for r in httpx.get(successor.url + "/v1/state").json()["replicas"]} >= {1, 2},
         what="replicas on the successor",
     )
 
@@ -102,20 +90,10 @@ def test_cache_slots_replicas_index_and_durable_files_are_private(
     assert list(shm_root.glob("j1/data/0/*.arrow")), "no cached step"
     assert list(shm_root.glob("j1/state/*/slot-*.bin")), "no state slot"
     assert list(fresh_root.glob("j1/replica/*/*.bin")), "no replica"
-    assert list(shm_root.glob("_index/*.mdb")) and list(
-        fresh_root.glob("_index/*.mdb")
-    ), "no index"
+    assert list(shm_root.glob("_index/*.mdb")) and list(fresh_root.glob("_index/*.mdb")), "no index"
     assert len(list(durable.glob("j1/step-*/*.safetensors"))) >= 3, "no durable shard"
 
     operator_made = f"{shm_root} {stat.filemode(shm_root.lstat().st_mode)}"
-    leaks = (
-        [p for p in _shared(shm_root) if p != operator_made]
-        + _shared(fresh_root)
-        + _shared(tmp_path / "tier")
-    )
+    leaks = [p for p in _shared(shm_root) if p != operator_made] + _shared(fresh_root) + _shared(tmp_path / "tier")
     assert not leaks, "group/other can reach:\n" + "\n".join(leaks)
-    assert (
-        stat.S_IMODE(os.stat(fresh_root).st_mode)
-        == stat.S_IMODE(os.stat(durable).st_mode)
-        == 0o700
-    )
+    assert stat.S_IMODE(os.stat(fresh_root).st_mode) == stat.S_IMODE(os.stat(durable).st_mode) == 0o700

@@ -71,7 +71,9 @@ def test_a_damaged_or_missing_index_is_rebuilt_from_the_slots(damage: str, start
 def test_a_slot_that_fails_its_checksum_is_not_adopted(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     held = _saved_then_killed(start_daemon, shm_root)
     newest = next(v for v in held if v[0] == ROLE and v[1] == 5)
-    meta = next(json.loads(p.read_text()) for p in shm_root.glob(f"job/state/{ROLE}/slot-*.bin.meta") if json.loads(p.read_text())["step"] == 5)
+    meta = next(
+        json.loads(p.read_text()) for p in shm_root.glob(f"job/state/{ROLE}/slot-*.bin.meta") if json.loads(p.read_text())["step"] == 5
+    )
     with open(shm_root / meta["path"], "r+b") as f:
         f.write(b"\xff" * 64)
     shutil.rmtree(shm_root / "_index")
@@ -84,8 +86,8 @@ def test_a_slot_that_fails_its_checksum_is_not_adopted(start_daemon: Callable[..
 
 
 def test_a_replica_that_cannot_be_verified_is_quarantined(tmp_path: Path, data_dir: Path) -> None:
+    from ffplane_harness.local_cluster import LocalCluster
     from tests._servers import TOKEN, until
-    from trainer_client.local_cluster import LocalCluster
 
     with LocalCluster(tmp_path, data_dir, TOKEN) as c:
         c.start_dataserver()

@@ -17,9 +17,10 @@ import httpx
 import pytest
 import torch
 
+from ffplane_harness.local_cluster import LocalCluster
+from statestore.protocol.control import Get, Open
 from tests._servers import TOKEN, until
 from trainer_client import Checkpointer, LinkHints
-from trainer_client.local_cluster import LocalCluster
 
 
 def _pair(tmp_path: Path, data_dir: Path, *extra: str) -> Iterator[LocalCluster]:
@@ -104,7 +105,9 @@ def test_a_killed_worker_does_not_hold_the_gate(pair: LocalCluster) -> None:
         "from trainer_client import LinkHints\n"
         "h = LinkHints(sys.argv[1]); h._add(1); print('busy', flush=True); time.sleep(600)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code, str(pair.socket(0))], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(pair.socket(0))], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "busy"
         until(lambda: _get(pair, "/v1/gate")["closed_because"] == "hint")
@@ -135,7 +138,7 @@ def test_the_rate_cap_throttles_every_state_transfer_including_durable_copies(tm
 
 
 def test_train_traffic_the_hints_did_not_announce_closes_the_gate(tmp_path: Path, data_dir: Path) -> None:
-    from trainer_client.netns import Netns, available
+    from ffplane_harness.netns import Netns, available
 
     if available():
         pytest.skip(str(available()))
@@ -144,12 +147,18 @@ def test_train_traffic_the_hints_did_not_announce_closes_the_gate(tmp_path: Path
         a, b = net.nodes[1], net.nodes[2]
         c.start_daemon("--gate-iface", a.iface, "--gate-link-mbit", "1000", budget_mb=64)
         repo = Path(__file__).parents[2]
-        sink = subprocess.Popen(b.exec_argv([sys.executable, "-m", "bench._traffic", "sink", "5401"]), cwd=repo, stdout=subprocess.PIPE, text=True)
+        sink = subprocess.Popen(
+            b.exec_argv([sys.executable, "-m", "bench._traffic", "sink", "5401"]), cwd=repo, stdout=subprocess.PIPE, text=True
+        )
         train = None
         try:
             assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
             assert _get(c, "/v1/gate")["open"]
-            train = subprocess.Popen(a.exec_argv([sys.executable, "-m", "bench._traffic", "train", b.addr, "5401", "40", "8", "5"]), cwd=repo, stdout=subprocess.PIPE)
+            train = subprocess.Popen(
+                a.exec_argv([sys.executable, "-m", "bench._traffic", "train", b.addr, "5401", "40", "8", "5"]),
+                cwd=repo,
+                stdout=subprocess.PIPE,
+            )
             until(lambda: _get(c, "/v1/gate")["closed_because"] == "interface", what="the interface counters to close the gate")
             train.wait(timeout=120)
             until(lambda: _get(c, "/v1/gate")["open"], what="the gate to reopen once the link is quiet")
@@ -175,11 +184,11 @@ def test_a_prefetch_held_by_a_hint_passes_once_a_reader_needs_it(tmp_path: Path,
         client = DaemonClient(c.socket(0), timeout_s=10)
         try:
             with hints.collective():
-                client.call(op="open", job="j1", dp_rank=0, token=TOKEN)
-                client.call(op="get", step=0)  # the batch a reader waits on always passes
+                client.call(Open("j1", 0, TOKEN))
+                client.call(Get(0))  # the batch a reader waits on always passes
                 until(lambda: _get(c, "/v1/gate")["waiting"].get("prefetch", 0) > 0, what="prefetches held by the hint")
                 for step in (1, 2, 3):  # each was fetched ahead as a prefetch and held
-                    assert client.call(op="get", step=step)["ok"]
+                    assert client.call(Get(step)).path
         finally:
             client.close()
             hints.close()

@@ -25,7 +25,9 @@ def _chunks(total: int, seed: int) -> list[bytes]:
     return out
 
 
-def _write(path: Path, chunks: list[bytes], monkeypatch: pytest.MonkeyPatch, wrap: Callable[[Pwritev], Pwritev]) -> tuple[shm.PageWriter, bytearray]:
+def _write(
+    path: Path, chunks: list[bytes], monkeypatch: pytest.MonkeyPatch, wrap: Callable[[Pwritev], Pwritev]
+) -> tuple[shm.PageWriter, bytearray]:
     monkeypatch.setattr(os, "pwritev", wrap(os.pwritev))
     seen = bytearray()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
@@ -51,6 +53,7 @@ def test_the_first_write_into_every_huge_page_fills_it_whole(tmp_path: Path, mon
             n = real(fd, views, offset)
             writes.append((offset, n))
             return n
+
         return call
 
     path = tmp_path / "step"
@@ -75,6 +78,7 @@ def test_short_writes_lose_and_repeat_nothing(tmp_path: Path, monkeypatch: pytes
         def call(fd: int, views: list[memoryview], offset: int) -> int:
             head = bytes(views[0])[: max(1, len(views[0]) // 3)]
             return real(fd, [memoryview(head)], offset)  # a third of the first piece, at most
+
         return call
 
     path = tmp_path / "step"

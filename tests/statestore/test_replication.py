@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import torch
 
+from ffplane_harness.local_cluster import LocalCluster
 from tests._servers import TOKEN, Proc, until
 from tests.statestore.conftest import daemon_state, start_ring
 from trainer_client import Checkpointer, Layout
-from trainer_client.local_cluster import LocalCluster
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -124,13 +124,15 @@ def test_a_push_resumes_and_counts_only_once_verified(cluster: LocalCluster) -> 
     assert httpx.put(url, params={"offset": 0}, content=data, headers=AUTH).status_code == 200
     assert httpx.post(url + "/commit", headers=AUTH).json()["ok"]
     assert [(r["step"], r["kind"]) for r in daemon_state(cluster, 0)["replicas"]] == [(7, "replica")]
-    assert httpx.get(cluster.daemons[0].url + "/v1/state/job/dpX/7/shard", params={"offset": 256, "length": 4}, headers=AUTH).content == bytes(range(4))
+    assert httpx.get(
+        cluster.daemons[0].url + "/v1/state/job/dpX/7/shard", params={"offset": 256, "length": 4}, headers=AUTH
+    ).content == bytes(range(4))
 
 
 def test_a_whole_push_is_one_request_and_a_cut_one_resumes_through_begin(cluster: LocalCluster) -> None:
     import xxhash
 
-    from statestore.replication import meta_prefix
+    from statestore.transport.http import meta_prefix
 
     start_ring(cluster, 1)
     base = cluster.daemons[0].url + "/v1/replicas/job/dpX"
@@ -162,7 +164,10 @@ def test_losing_a_node_and_its_successor_falls_back_to_the_durable_tier(cluster:
     for node in range(4):
         _save(cluster, node, node, range(1, 3), dp=4)
     # on its final successor (a node that started early may first have pushed to another)
-    until(lambda: all({f"n{r}", f"n{(r + 1) % 4}"} <= set(_held(cluster, f"dp{r}-pp0-tp0", 2)) for r in range(4)), what="every role replicated")
+    until(
+        lambda: all({f"n{r}", f"n{(r + 1) % 4}"} <= set(_held(cluster, f"dp{r}-pp0-tp0", 2)) for r in range(4)),
+        what="every role replicated",
+    )
 
     cluster.lose_node(2)  # every role still has a copy (n2's on n3)
     until(lambda: "n2" in _status(cluster)["dead"])
@@ -239,10 +244,11 @@ def test_a_commit_waits_while_its_successor_is_briefly_declared_dead(cluster: Lo
 
 
 def _restorable_reply(c: LocalCluster, node: int, role: str) -> dict[str, Any]:
+    from statestore.protocol.control import Restorable
     from trainer_client._daemon_client import DaemonClient
 
     client = DaemonClient(c.socket(node), 30)
     try:
-        return client.call(op="restorable", job="job", verify=False, roles=[role])
+        return dict(client.call(Restorable("job", verify=False, roles=[role])).__dict__)
     finally:
         client.close()

@@ -44,11 +44,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     work = tmp_path_factory.mktemp("fuzz")
     (work / "datasets").mkdir()
     write_token_parquet(work / "tokens.parquet", 64)
-    ingest(
-        IngestConfig(
-            [work / "tokens.parquet"], work / "datasets" / "tokens", progress=False
-        )
-    )
+    ingest(IngestConfig([work / "tokens.parquet"], work / "datasets" / "tokens", progress=False))
     root = Path("/dev/shm") / f"ffplane-test-{uuid.uuid4().hex[:8]}"
     procs: list[Proc] = []
     try:
@@ -104,9 +100,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
 def no_server_error(ctx: object, response: Response, case: Case) -> None:
     """No 5xx at all (a full --budget-mb, e.g. of transfers the fuzzer began and left, is a 413)."""
     if response.status_code >= 500:
-        raise AssertionError(
-            f"{response.status_code} for {case.method} {case.formatted_path}: {response.text[:500]}"
-        )
+        raise AssertionError(f"{response.status_code} for {case.method} {case.formatted_path}: {response.text[:500]}")
 
 
 CHECKS = [
@@ -140,11 +134,7 @@ def _runner(
     label = op.label if path_parameters is None else f"{op.label} (held)"
     modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
 
-    @hypothesis.given(
-        case=st.one_of(
-            *(op.as_strategy(mode, path_parameters=path_parameters) for mode in modes)
-        )
-    )
+    @hypothesis.given(case=st.one_of(*(op.as_strategy(mode, path_parameters=path_parameters) for mode in modes)))
     @SETTINGS
     def run(case: Case) -> None:
         response = case.call_and_validate(headers=headers, checks=CHECKS)
@@ -153,9 +143,7 @@ def _runner(
     return run
 
 
-def _fuzz(
-    url: str, headers: dict[str, str]
-) -> tuple[list[str], Counter[tuple[str, int]]]:
+def _fuzz(url: str, headers: dict[str, str]) -> tuple[list[str], Counter[tuple[str, int]]]:
     """Every operation of the spec at ``url``, and again with the path naming a shard the daemon
     holds. Returns one entry per failing operation, and how often each (operation, status) was
     answered."""
@@ -187,12 +175,6 @@ def _fuzz(
 def test_daemon_api_answers_as_documented(daemon: Proc, token: bool) -> None:
     failures, seen = _fuzz(daemon.url + "/openapi.json", AUTH if token else {})
     assert not failures, "\n\n".join(failures)
-    shard_reads = {
-        status
-        for (label, status), _ in seen.items()
-        if label == "GET /v1/state/{job}/{role}/{step}/shard (held)"
-    }
-    assert (200 in shard_reads) == token and (401 in shard_reads) == (not token), (
-        seen
-    )  # the fuzzer got in, or was kept out
+    shard_reads = {status for (label, status), _ in seen.items() if label == "GET /v1/state/{job}/{role}/{step}/shard (held)"}
+    assert (200 in shard_reads) == token and (401 in shard_reads) == (not token), seen  # the fuzzer got in, or was kept out
     assert httpx.get(daemon.url + "/v1/health").json() == {"status": "ok"}

@@ -134,7 +134,11 @@ def test_daemon_sigkilled_and_restarted_serves_every_committed_version(start_dae
     third = start_daemon()
     live.save(23, _state(23))
     live.close()
-    assert [v["step"] for r in httpx.get(third.url + "/v1/state").json()["roles"] if r["role"] == "dp0-pp0-tp0" for v in r["versions"]] == [23, 22, 21]
+    assert [v["step"] for r in httpx.get(third.url + "/v1/state").json()["roles"] if r["role"] == "dp0-pp0-tp0" for v in r["versions"]] == [
+        23,
+        22,
+        21,
+    ]
 
 
 def test_state_that_cannot_fit_fails_at_the_first_save(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
@@ -182,7 +186,11 @@ def test_restored_tensors_are_owned_unless_a_view_is_asked_for(start_daemon: Cal
 def test_large_state_copied_by_several_threads_round_trips(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     start_daemon()
     g = torch.Generator().manual_seed(3)
-    big = {"a": torch.randn(3_000_001, generator=g), "b": torch.randn(1_234_567, generator=g).to(torch.bfloat16), "c": torch.arange(2_000_003)}
+    big = {
+        "a": torch.randn(3_000_001, generator=g),
+        "b": torch.randn(1_234_567, generator=g).to(torch.bfloat16),
+        "c": torch.arange(2_000_003),
+    }
     cks = [Checkpointer("big", Layout(dp=2, dp_rank=r), socket_path=shm_root / "daemon.sock", copy_threads=3) for r in range(2)]
     for ck in cks:
         ck.save(1, big)
@@ -233,7 +241,9 @@ def test_a_rewound_run_replaces_the_newer_versions(start_daemon: Callable[..., P
     assert got is not None and got.step == 102 and _equal(got.state, _state(102))
 
 
-def test_failures_do_not_poison_later_saves_or_restores(start_daemon: Callable[..., Proc], shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failures_do_not_poison_later_saves_or_restores(
+    start_daemon: Callable[..., Proc], shm_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     start_daemon()
     sock = shm_root / "daemon.sock"
     too_big = Checkpointer("ok", Layout(dp=1), socket_path=sock)
@@ -316,11 +326,16 @@ def test_a_save_while_the_previous_commit_is_unanswered_waits_or_skips(start_dae
     assert skip.save(4, _state(4))
     for ck in (skip, wait):
         ck.close()
-    steps = {job: [v["step"] for r in httpx.get(daemon.url + "/v1/state").json()["roles"] if r["job"] == job for v in r["versions"]] for job in ("skip", "wait")}
+    steps = {
+        job: [v["step"] for r in httpx.get(daemon.url + "/v1/state").json()["roles"] if r["job"] == job for v in r["versions"]]
+        for job in ("skip", "wait")
+    }
     assert steps == {"skip": [4, 2, 1], "wait": [3, 2, 1]}
 
 
-def test_the_next_save_s_slot_comes_with_the_commit_and_is_released_with_the_connection(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+def test_the_next_save_s_slot_comes_with_the_commit_and_is_released_with_the_connection(
+    start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
     daemon = start_daemon()
     ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
     ck.save(1, _state(1))
@@ -336,7 +351,9 @@ def test_the_next_save_s_slot_comes_with_the_commit_and_is_released_with_the_con
     assert replication is None or replication["pending"] == 0  # alone: nothing queued for a successor
 
 
-def test_a_changed_state_structure_is_committed_whole_and_both_survive_a_daemon_restart(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+def test_a_changed_state_structure_is_committed_whole_and_both_survive_a_daemon_restart(
+    start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
     daemon = start_daemon()
     sock = shm_root / "daemon.sock"
     grown = lambda step: {**_state(step), "extra": torch.arange(7) + step}  # noqa: E731

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from bench import _faults
+from ffplane_harness.local_cluster import LocalCluster
 from tests._servers import TOKEN, until
 from trainer_client import Checkpointer
-from trainer_client.local_cluster import LocalCluster
 
 ROLE = "job/dp0-pp0-tp0"
 

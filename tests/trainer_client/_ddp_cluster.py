@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from ffplane_harness.local_cluster import LocalCluster
 from tests._servers import TOKEN
-from trainer_client.local_cluster import LocalCluster
 
 REPO = Path(__file__).parents[2]
 
@@ -30,9 +30,16 @@ class DdpRun:
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank, node in enumerate(placement):
             env = {
-                **os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": master, "MASTER_PORT": str(port),
-                "FFPLANE_DATASERVER": c.dataserver.url, "FFPLANE_TOKEN": TOKEN, "FFPLANE_DAEMON_SOCKET": str(c.socket(node)),
-                "FFPLANE_TEST_GLOO_TIMEOUT_S": "90", "FFPLANE_TEST_COMPUTE_S": "0.15",
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(port),
+                "FFPLANE_DATASERVER": c.dataserver.url,
+                "FFPLANE_TOKEN": TOKEN,
+                "FFPLANE_DAEMON_SOCKET": str(c.socket(node)),
+                "FFPLANE_TEST_GLOO_TIMEOUT_S": "90",
+                "FFPLANE_TEST_COMPUTE_S": "0.15",
             }
             if net:
                 env["GLOO_SOCKET_IFNAME"] = net.nodes[node + 1].iface
@@ -67,7 +74,9 @@ class DdpRun:
             assert code == 0, self.logs()
 
     def logs(self) -> str:
-        return "\n".join(f"--- rank {r}\n" + (self.out / f"worker-{r}.log").read_text(errors="replace")[-2000:] for r in range(len(self.procs)))
+        return "\n".join(
+            f"--- rank {r}\n" + (self.out / f"worker-{r}.log").read_text(errors="replace")[-2000:] for r in range(len(self.procs))
+        )
 
 
 def last_step(out: Path, rank: int) -> int:

@@ -25,7 +25,7 @@ from trainer_client import Checkpointer, DataLoader, Layout, LinkHints
 VOCAB = 1000
 
 
-def digest(state: object, h: "hashlib._Hash") -> None:
+def digest(state: object, h: hashlib._Hash) -> None:
     if isinstance(state, torch.Tensor):
         h.update(state.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     elif isinstance(state, dict):

@@ -49,7 +49,14 @@ def worker(sock: str, log_path: str) -> None:
     start = 0
     if restored is not None:
         ok = check(restored.state, restored.step)
-        detail = "" if ok else " " + repr({k: (v.flatten()[:3].tolist() if hasattr(v, "flatten") else v) for k, v in restored.state["model"].items()}) + repr(restored.state["optim"]["i"][:3].tolist()) + str(restored.state["step"])
+        detail = (
+            ""
+            if ok
+            else " "
+            + repr({k: (v.flatten()[:3].tolist() if hasattr(v, "flatten") else v) for k, v in restored.state["model"].items()})
+            + repr(restored.state["optim"]["i"][:3].tolist())
+            + str(restored.state["step"])
+        )
         log.write(f"restored {restored.step} {'ok' if ok else 'BAD'}{detail}\n")
         start = restored.step + 1
     else:

@@ -34,7 +34,9 @@ def test_two_ranks_exactly_once_and_deterministic(dataserver: Proc, start_daemon
         assert len(a) == len(b) == JOB_STEPS
         assert all(torch.equal(x["tokens"], y["tokens"]) for x, y in zip(a, b))
     # exactly once: the steps of each epoch, over both ranks, hold every sample once
-    stream = np.concatenate([np.concatenate([runs[0][0][s]["_sample_index"], runs[0][1][s]["_sample_index"]]) for s in range(len(runs[0][0]))])
+    stream = np.concatenate(
+        [np.concatenate([runs[0][0][s]["_sample_index"], runs[0][1][s]["_sample_index"]]) for s in range(len(runs[0][0]))]
+    )
     for epoch in range(3):
         assert Counter(stream[epoch * 300 : (epoch + 1) * 300].tolist()) == Counter(range(300))
     # the bytes are the dataset's: token 0 of a row is its index (see conftest)
@@ -92,7 +94,9 @@ def test_state_dict_round_trip_and_errors(dataserver: Proc) -> None:
 
 def _reader(out: Path, dataserver: Proc, sock: Path, rank: int = 0) -> subprocess.Popen[bytes]:
     env = {**os.environ, "FFPLANE_DATASERVER": dataserver.url, "FFPLANE_TOKEN": TOKEN, "FFPLANE_DAEMON_SOCKET": str(sock)}
-    return subprocess.Popen([sys.executable, "-m", "tests.trainer_client._reader_worker", "j1", str(rank), str(out)], env=env, cwd=Path(__file__).parents[2])
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.trainer_client._reader_worker", "j1", str(rank), str(out)], env=env, cwd=Path(__file__).parents[2]
+    )
 
 
 def _steps(out: Path) -> dict[int, set[str]]:
@@ -103,7 +107,9 @@ def _steps(out: Path) -> dict[int, set[str]]:
     return seen
 
 
-def test_reader_sigkilled_mid_epoch_resumes_byte_identical(tmp_path: Path, dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+def test_reader_sigkilled_mid_epoch_resumes_byte_identical(
+    tmp_path: Path, dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
     create_job(dataserver, max_steps=40)
     start_daemon()
     sock = shm_root / "daemon.sock"
@@ -138,15 +144,18 @@ def test_reader_sigkilled_mid_epoch_resumes_byte_identical(tmp_path: Path, datas
     assert all(got[s] == expected[s] and len(expected[s]) == 1 for s in got)
 
 
-def test_daemon_sigkilled_restarts_and_reattaches_without_refetch(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+def test_daemon_sigkilled_restarts_and_reattaches_without_refetch(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    from statestore.protocol.control import Get, Open
     from trainer_client._daemon_client import DaemonClient
 
     create_job(dataserver)
     daemon = start_daemon("--window", "6")
     sock = shm_root / "daemon.sock"
     client = DaemonClient(sock, 30)
-    client.call(op="open", job="j1", dp_rank=0, token=TOKEN)
-    client.call(op="get", step=10)
+    client.call(Open("j1", 0, TOKEN))
+    client.call(Get(10))
     deadline = time.monotonic() + 30
     files = sorted((shm_root / "j1" / "data" / "0").glob("*.arrow"))
     while len(files) < 6 and time.monotonic() < deadline:  # the window 10..15 prefetched
@@ -160,11 +169,11 @@ def test_daemon_sigkilled_restarts_and_reattaches_without_refetch(dataserver: Pr
 
     restarted = start_daemon("--window", "6")
     client = DaemonClient(sock, 30)
-    client.call(op="open", job="j1", dp_rank=0, token=TOKEN)
+    client.call(Open("j1", 0, TOKEN))
     for name in inodes:
-        reply = client.call(op="get", step=int(name.split(".")[0]))
-        assert reply["hit"], f"{name} was refetched after the restart"
-        assert (shm_root / reply["path"]).stat().st_ino == inodes[name]
+        reply = client.call(Get(int(name.split(".")[0])))
+        assert reply.hit, f"{name} was refetched after the restart"
+        assert (shm_root / reply.path).stat().st_ino == inodes[name]
     client.close()
     left = {p.name for p in (shm_root / "j1" / "data" / "0").iterdir()}
     assert "000000000099.arrow.tmp-424242" not in left and "000000000098.arrow" not in left
@@ -185,7 +194,9 @@ def test_one_copy_per_node_for_many_readers(dataserver: Proc, start_daemon: Call
     assert 'ffplane_cache_hits_total{dp_rank="1",job="j1"}' in metrics
 
 
-def test_a_new_generation_replaces_batches_the_node_cached_under_the_old_plan(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+def test_a_new_generation_replaces_batches_the_node_cached_under_the_old_plan(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
     import httpx
 
     from dataserver import Generation, Planner
@@ -202,7 +213,11 @@ def test_a_new_generation_replaces_batches_the_node_cached_under_the_old_plan(da
         time.sleep(0.05)
     first.close()
     # an elastic restart from step 3 with another layout
-    r = httpx.post(dataserver.url + "/v1/jobs/j1/generations", json={"start_step": 3, "dp": 3, "batch_per_rank": 5, "replan_served": True}, headers={"Authorization": f"Bearer {TOKEN}"})
+    r = httpx.post(
+        dataserver.url + "/v1/jobs/j1/generations",
+        json={"start_step": 3, "dp": 3, "batch_per_rank": 5, "replan_served": True},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     assert r.status_code == 200, r.text
     plan = Planner(300, 5, [Generation(0, 2, 8), Generation(3, 3, 5)])
     resumed = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=sock, start_step=3, end_step=9)
@@ -237,7 +252,9 @@ def test_cached_steps_are_read_while_the_daemon_is_paused(dataserver: Proc, star
     direct = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "absent.sock")
     assert all(torch.equal(a, b["tokens"]) for a, b in zip([first, *rest], direct, strict=True))
     # and the daemon still saw every position: each step counted as a hit or a miss
-    until(lambda: sum(httpx.get(daemon.url + "/v1/cache").json()["streams"][0][k] for k in ("hits", "misses")) == 12, what="12 reads counted")
+    until(
+        lambda: sum(httpx.get(daemon.url + "/v1/cache").json()["streams"][0][k] for k in ("hits", "misses")) == 12, what="12 reads counted"
+    )
     loader.close()
 
 
@@ -270,7 +287,9 @@ def _pmd_mapped_kib(path: Path) -> int:
         mm.close()
 
 
-def test_cached_steps_use_huge_pages_on_a_huge_tmpfs(tmp_path: Path, data_dir: Path, dataserver: Proc, start_daemon: Callable[..., Proc], huge_tmpfs: Path) -> None:
+def test_cached_steps_use_huge_pages_on_a_huge_tmpfs(
+    tmp_path: Path, data_dir: Path, dataserver: Proc, start_daemon: Callable[..., Proc], huge_tmpfs: Path
+) -> None:
     import httpx
 
     from dataserver.ingest import IngestConfig, ingest
@@ -323,7 +342,9 @@ def _mapped_steps(steps_dir: Path) -> set[int]:
     return out
 
 
-def test_the_loader_unmaps_steps_two_behind_not_the_training_thread_at_once(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+def test_the_loader_unmaps_steps_two_behind_not_the_training_thread_at_once(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
     """A step's mapping goes when its last reference does. The loader holds each step it hands
     out until its look-ahead thread drops it two steps later, so the unmap (a TLB shootdown)
     happens there, not in the training thread as it lets go of the previous batch; a batch the

@@ -31,12 +31,25 @@ def _launch(out: Path, job: str, dataserver: Proc, sock: Path) -> list[subproces
     procs = []
     for rank in range(2):
         env = {
-            **os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "FFPLANE_DATASERVER": dataserver.url, "FFPLANE_TOKEN": TOKEN, "FFPLANE_DAEMON_SOCKET": str(sock),
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "FFPLANE_DATASERVER": dataserver.url,
+            "FFPLANE_TOKEN": TOKEN,
+            "FFPLANE_DAEMON_SOCKET": str(sock),
         }
         log = open(out / f"worker-{rank}.log", "ab")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.trainer_client._ddp_worker", job, str(out), str(STEPS)],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2]))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.trainer_client._ddp_worker", job, str(out), str(STEPS)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=Path(__file__).parents[2],
+            )
+        )
     return procs
 
 

@@ -19,7 +19,9 @@ def _ours() -> set[str]:
 def test_the_demo_recovers_both_failures_bitwise_and_cleans_up(tmp_path: Path) -> None:
     before, work_before = _ours(), set(Path(tempfile.gettempdir()).glob("ffplane-demo-*"))
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "trainer_client.demo", "demo", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "ffplane_harness.demo", "demo", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((out / "demo.json").read_text())
     assert result["bitwise_equal"] is True

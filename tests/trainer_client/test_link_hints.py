@@ -14,7 +14,9 @@ def _train(tmp_path: Path, name: str, bucket_mb: float, hook: str, world: int = 
     run = tmp_path / name
     (run / "hints").mkdir(parents=True)
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(run / "init"), str(run), str(bucket_mb), hook, str(run / f"rank{r}.pt")])
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), str(world), str(run / "init"), str(run), str(bucket_mb), hook, str(run / f"rank{r}.pt")]
+        )
         for r in range(world)
     ]
     try:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from ffplane_harness.local_cluster import LocalCluster
+from ffplane_harness.netns import Netns, available, leftovers
 from tests._servers import TOKEN
 from tests.conftest import cluster_in, create_job
-from trainer_client.local_cluster import LocalCluster
-from trainer_client.netns import Netns, available, leftovers
 
 NETNS_WHY = available()
 

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
+from ffplane_harness.local_cluster import LocalCluster
 from tests._servers import until
 from tests.conftest import cluster_in, create_job
 from tests.trainer_client._ddp_cluster import DdpRun, losses
-from trainer_client.local_cluster import LocalCluster
 
 STEPS = 24
 

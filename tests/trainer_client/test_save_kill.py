@@ -26,12 +26,17 @@ def _wait_for(pred: Callable[[], bool], timeout_s: float = 30) -> None:
         time.sleep(0.002)
 
 
-def test_worker_sigkilled_inside_save_always_restores_the_last_committed_step(tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+def test_worker_sigkilled_inside_save_always_restores_the_last_committed_step(
+    tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
     start_daemon()
     log = tmp_path / "saves.log"
     zygote = subprocess.Popen(
         [sys.executable, "-m", "tests.trainer_client._save_zygote", str(shm_root / "daemon.sock"), str(log)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
     )
     rng = random.Random(1234)
     children: list[int] = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer_client import StateError
-from trainer_client.state_codec import encode, decode
+from trainer_client.state_codec import decode, encode
 
 
 def _round_trip(state: object, private: frozenset[str] = frozenset()) -> object:
@@ -17,7 +17,20 @@ def _round_trip(state: object, private: frozenset[str] = frozenset()) -> object:
 
 def test_every_common_dtype_and_json_leaves() -> None:
     state = {
-        "t": {str(d): (torch.arange(7) % 2).to(d) for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)},
+        "t": {
+            str(d): (torch.arange(7) % 2).to(d)
+            for d in (
+                torch.bfloat16,
+                torch.float16,
+                torch.float32,
+                torch.float64,
+                torch.int64,
+                torch.int32,
+                torch.int8,
+                torch.uint8,
+                torch.bool,
+            )
+        },
         "loop": {"step": 12, "lr": 3e-4, "name": "run", "flags": [True, None], "inf": float("inf"), "pair": (1, 2)},
         3: "int key",
     }

@@ -42,8 +42,13 @@ def warm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, 
 
 
 def _launch(tmp_path: Path, env: dict[str, str], *args: str, x: str = "") -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "trainer_client.warm_start", "job.py", *args], cwd=tmp_path,
-                            env={**env, "X": x}, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer_client.warm_start", "job.py", *args],
+        cwd=tmp_path,
+        env={**env, "X": x},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _cold_start(tmp_path: Path, env: dict[str, str], code: str = "0", x: str = "") -> tuple[dict[str, object], int]:

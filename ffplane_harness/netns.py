@@ -104,7 +104,29 @@ class Netns:
     def shape(self, node: Node, rate: str) -> None:
         """Limit both directions of ``node``'s link to ``rate`` (tbf on each sending side)."""
         for ns, iface in ((node.ns, node.iface), (self.hub, node.hub_iface)):
-            r = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", iface, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "10ms"], capture_output=True, text=True)
+            r = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    iface,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    "256kb",
+                    "latency",
+                    "10ms",
+                ],
+                capture_output=True,
+                text=True,
+            )
             if r.returncode != 0:
                 raise NetnsError(f"tc on {iface}: {r.stderr.strip()}")
 
@@ -115,7 +137,9 @@ class Netns:
         _ip("-n", node.ns, "link", "set", node.iface, "up")
 
     def tx_bytes(self, node: Node) -> int:
-        out = subprocess.run(node.exec_argv(["cat", f"/sys/class/net/{node.iface}/statistics/tx_bytes"]), capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            node.exec_argv(["cat", f"/sys/class/net/{node.iface}/statistics/tx_bytes"]), capture_output=True, text=True, check=True
+        )
         return int(out.stdout)
 
     def close(self) -> None:
@@ -134,6 +158,10 @@ class Netns:
 
 def leftovers() -> list[str]:
     """Namespaces and links named like ours (from a run that was killed), for cleanup."""
-    names = [line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines() if line.startswith(PREFIX)]
+    names = [
+        line.split()[0]
+        for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+        if line.startswith(PREFIX)
+    ]
     names += [p.name for p in Path("/sys/class/net").iterdir() if p.name.startswith(PREFIX)]
     return names

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dataserver.httpserver import DIE_WITH_PARENT_ENV
-from trainer_client.netns import Netns
-
+from ffplane_harness.netns import Netns
 
 
 @dataclass
@@ -51,8 +50,14 @@ class Proc:
 
 
 def start(
-    module: str, args: list[str], workdir: Path, name: str, token: str, env: dict[str, str] | None = None,
-    timeout_s: float = 30.0, wrap: Callable[[list[str]], list[str]] | None = None,
+    module: str,
+    args: list[str],
+    workdir: Path,
+    name: str,
+    token: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 30.0,
+    wrap: Callable[[list[str]], list[str]] | None = None,
 ) -> Proc:
     """Run ``python -m module args... --ready-file F`` and wait until it is listening.
 
@@ -65,7 +70,9 @@ def start(
         argv = [sys.executable, "-m", module, *args, "--ready-file", str(ready_file)]
         popen = subprocess.Popen(
             wrap(argv) if wrap else argv,
-            stdout=log, stderr=subprocess.STDOUT, env={**full_env, DIE_WITH_PARENT_ENV: "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**full_env, DIE_WITH_PARENT_ENV: "1"},
         )
     deadline = time.monotonic() + timeout_s
     proc: Proc | None = None
@@ -74,7 +81,9 @@ def start(
             raise RuntimeError(f"{name} exited with {popen.returncode}:\n{log_path.read_text()}")
         if ready_file.exists():
             ready = json.loads(ready_file.read_text())
-            proc = Proc(popen, f"http://{ready.get('advertise') or ready['host']}:{ready['port']}", ready, log_path)  # a daemon on 0.0.0.0 is reached where it advertises
+            proc = Proc(
+                popen, f"http://{ready.get('advertise') or ready['host']}:{ready['port']}", ready, log_path
+            )  # a daemon on 0.0.0.0 is reached where it advertises
             try:
                 urllib.request.urlopen(proc.url + "/v1/health", timeout=2).read()
                 return proc
@@ -89,7 +98,7 @@ def start(
 class LocalCluster:
     """A data server and node daemons on this machine, for trying ffplane, benchmarks and tests.
 
-    Plain mode: every process on 127.0.0.1. With ``net`` (a :class:`trainer_client.netns.Netns`),
+    Plain mode: every process on 127.0.0.1. With ``net`` (a :class:`ffplane_harness.netns.Netns`),
     the data server runs in node 0's namespace and daemon ``i`` in node ``i + 1``'s, each bound
     to its node's address, so links can be shaped and cut. Every process is ended by PID and
     every shared-memory root removed by ``close()``.
@@ -124,7 +133,22 @@ class LocalCluster:
         if root not in self.roots:
             self.roots.append(root)
         host, wrap = self._place(i + 1 if self.net else 0)
-        args = ["serve", "--dataserver", self.dataserver.url, "--root", str(root), "--host", host, "--port", "0", "--budget-mb", str(budget_mb), "--node-id", f"n{i}", *extra]
+        args = [
+            "serve",
+            "--dataserver",
+            self.dataserver.url,
+            "--root",
+            str(root),
+            "--host",
+            host,
+            "--port",
+            "0",
+            "--budget-mb",
+            str(budget_mb),
+            "--node-id",
+            f"n{i}",
+            *extra,
+        ]
         proc = start("statestore", args, self.workdir, f"daemon{i}-{len(self.daemons)}", self.token, wrap=wrap)
         self.daemons.append(proc)
         return proc

@@ -15,8 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from trainer_client.local_cluster import LocalCluster
-from trainer_client.torchrun import TorchrunNode
+from ffplane_harness.local_cluster import LocalCluster
+from ffplane_harness.torchrun import TorchrunNode
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ffplane.py"
 STAGES = ("detected", "restarted", "restored", "data_ready", "first_step")
@@ -67,7 +67,9 @@ class LocalJobs:
 
     def status(self, job: str) -> dict[str, Any]:
         assert self.cluster.dataserver is not None
-        result: dict[str, Any] = json.loads(urllib.request.urlopen(f"{self.cluster.dataserver.url}/v1/jobs/{job}/status", timeout=10).read())
+        result: dict[str, Any] = json.loads(
+            urllib.request.urlopen(f"{self.cluster.dataserver.url}/v1/jobs/{job}/status", timeout=10).read()
+        )
         return result
 
     # --- workers ---------------------------------------------------------------------------
@@ -77,12 +79,23 @@ class LocalJobs:
         (self.work / job).mkdir(exist_ok=True)
         (self.events_dir / job).mkdir(exist_ok=True)
         env = {
-            "FFPLANE_NODE": f"n{daemon}", "FFPLANE_DATASERVER": self.cluster.dataserver.url, "FFPLANE_TOKEN": self.token,
-            "FFPLANE_DAEMON_SOCKET": str(self.cluster.socket(daemon)), "FFPLANE_EVENTS_DIR": str(self.events_dir / job),
+            "FFPLANE_NODE": f"n{daemon}",
+            "FFPLANE_DATASERVER": self.cluster.dataserver.url,
+            "FFPLANE_TOKEN": self.token,
+            "FFPLANE_DAEMON_SOCKET": str(self.cluster.socket(daemon)),
+            "FFPLANE_EVENTS_DIR": str(self.events_dir / job),
         }
         node = TorchrunNode(
-            self.script, ["--job", job, "--out", str(self.work / job), "--steps", str(self.steps), *self.script_args], endpoint, job, nnodes=nnodes, nproc=self.nproc,
-            log=self.work / f"{log_name}-n{daemon}.log", env=env, max_restarts=self.max_restarts, host=not any(n.running() and n.run_id == job for n in self.nodes),
+            self.script,
+            ["--job", job, "--out", str(self.work / job), "--steps", str(self.steps), *self.script_args],
+            endpoint,
+            job,
+            nnodes=nnodes,
+            nproc=self.nproc,
+            log=self.work / f"{log_name}-n{daemon}.log",
+            env=env,
+            max_restarts=self.max_restarts,
+            host=not any(n.running() and n.run_id == job for n in self.nodes),
             warm_dir=Path(f"/dev/shm/ffw-{os.getpid()}-{len(self.nodes)}") if self.warm else None,  # a new node starts cold
         )
         self.nodes.append(node.start())
@@ -155,10 +168,14 @@ class LocalJobs:
             if times := [e["t"] for e in ev if e["kind"] == stage]:
                 stamps[stage] = max(times)
         if not back:
-            raise RuntimeError(f"no rank saved a step past {saved_before} after the {kind} yet: wait for step {saved_before + 2} before taking its timeline")
+            raise RuntimeError(
+                f"no rank saved a step past {saved_before} after the {kind} yet: wait for step {saved_before + 2} before taking its timeline"
+            )
         stamps["caught_up"] = max(back.values())
         return {
-            "failure": kind, "restored_step": step, "steps_lost": saved_before - step,
+            "failure": kind,
+            "restored_step": step,
+            "steps_lost": saved_before - step,
             "seconds": {k: round(v - failed_at, 3) for k, v in stamps.items()},
         }
 
@@ -187,5 +204,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer_client.job_runner import STAGES, LocalJobs
+from ffplane_harness.job_runner import STAGES, LocalJobs
 
 
 class Demo(LocalJobs):

@@ -1,0 +1,34 @@
+"""How ffplane processes prove they belong to the job: one bearer token per job.
+
+Every HTTP request between ffplane processes carries ``Authorization: Bearer <token>``; the UDP
+heartbeats carry an HMAC keyed with the same token. A process finds the token in the file
+``$FFPLANE_TOKEN_FILE`` names, else in ``$FFPLANE_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TOKEN_ENV = "FFPLANE_TOKEN"
+TOKEN_FILE_ENV = "FFPLANE_TOKEN_FILE"
+HEADER = "Authorization"
+
+
+def bearer(token: str | None) -> dict[str, str]:
+    """The request headers that carry ``token`` (none without one)."""
+    return {HEADER: f"Bearer {token}"} if token else {}
+
+
+def load_token(token_file: str | None = None) -> str | None:
+    """The job's bearer token: ``token_file``, else ``$FFPLANE_TOKEN_FILE``, else ``$FFPLANE_TOKEN``."""
+    path = token_file or os.environ.get(TOKEN_FILE_ENV)
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"cannot read the token file {path}: {exc}") from exc
+        if not token:
+            raise SystemExit(f"the token file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None

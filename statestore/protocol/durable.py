@@ -1,0 +1,108 @@
+"""The durable tier: committed shards copied to a directory every N steps, readable without ffplane.
+
+Layout: ``<dir>/<job>/step-<step>/<role>.safetensors``. Each file is a standard safetensors file
+with one ``U8`` tensor named ``shard`` (the shard's bytes: ``[private][replicated slice]``) and
+``__metadata__`` holding ``ffplane_header`` (the JSON header: the state tree, every tensor's
+storage/dtype/shape/stride/offset, every storage's stream and offset, the layout and this
+shard's slice), ``checksum`` and ``algorithm`` (XXH3-64 of the shard bytes). To rebuild a state
+without ffplane: concatenate the dp group's replicated slices in dp-rank order, append nothing
+to the private part, and view each tensor at its storage's offset with its dtype and strides.
+The files are the job's training state: created 0600, in folders created 0700 (a ``--durable-dir``
+that exists already keeps its mode).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from pathlib import Path
+from typing import Any
+
+from dataserver.protocol.restorable import whole_steps
+from statestore.protocol.checksum import ALGORITHM, checksum
+from statestore.protocol.shard import layout_roles
+
+log = logging.getLogger(__name__)
+
+
+def step_dir(root: Path, job: str, step: int) -> Path:
+    return root / job / f"step-{step:012d}"
+
+
+def shard_path(root: Path, job: str, role: str, step: int) -> Path:
+    return step_dir(root, job, step) / f"{role}.safetensors"
+
+
+def encode_head(job: str, role: str, step: int, nbytes: int, digest: str, header: dict[str, Any]) -> bytes:
+    """The bytes a shard file starts with: the safetensors length prefix and JSON head, padded
+    to 8 bytes; the shard's bytes follow."""
+    meta = {"ffplane_header": json.dumps(header), "checksum": digest, "algorithm": ALGORITHM, "step": str(step), "role": role, "job": job}
+    head = json.dumps({"__metadata__": meta, "shard": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head
+
+
+def read_meta(path: Path) -> tuple[dict[str, str], int, int]:
+    """(metadata, data offset, data length) of a shard file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        head = json.loads(f.read(n))
+    begin, end = head["shard"]["data_offsets"]
+    return head["__metadata__"], 8 + n + begin, end - begin
+
+
+def verify(path: Path) -> bool:
+    meta, offset, length = read_meta(path)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return checksum(f.read(length)) == meta["checksum"]
+
+
+def shard(root: Path, job: str, role: str, step: int) -> dict[str, Any] | None:
+    """``role``'s shard of ``step`` as a restore reads it (path, offset, nbytes, checksum,
+    header), or None when there is none or it fails its checksum."""
+    path = shard_path(root, job, role, step)
+    try:
+        if not verify(path):
+            log.warning("corrupt durable shard", extra={"path": str(path)})
+            return None
+        meta, offset, length = read_meta(path)
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    return {
+        "path": str(path),
+        "offset": offset,
+        "nbytes": length,
+        "checksum": meta["checksum"],
+        "header": json.loads(meta["ffplane_header"]),
+    }
+
+
+def steps_by_role(root: Path, job: str, roles: set[str] | None = None) -> dict[str, set[int]]:
+    """The steps each role (of ``roles``; default every role) has a durable shard file for (not
+    verified: ``shard`` does that)."""
+    out: dict[str, set[int]] = {}
+    for path in (root / job).glob("step-*/*.safetensors"):
+        if roles is None or path.stem in roles:
+            out.setdefault(path.stem, set()).add(int(path.parent.name.removeprefix("step-")))
+    return out
+
+
+def restorable(root: Path, job: str, roles: set[str], below: int | None = None) -> tuple[int | None, dict[str, dict[str, Any]]]:
+    """Newest durable step (< ``below``) holding an intact shard of every role in ``roles`` and of
+    the layout that step was saved with."""
+    held = steps_by_role(root, job)
+    for step in whole_steps(held, roles, below):
+        _, any_file = next(iter(sorted((r, shard_path(root, job, r, step)) for r in roles)))
+        try:
+            meta, _, _ = read_meta(any_file)
+            expected = set(roles) | set(layout_roles(json.loads(meta["ffplane_header"]), next(iter(roles))))
+        except (OSError, ValueError, KeyError, struct.error):
+            continue
+        if step not in whole_steps(held, expected):
+            continue
+        shards = {role: shard(root, job, role, step) for role in expected}
+        if all(shards.values()):
+            return step, {r: s for r, s in shards.items() if s is not None}
+    return None, {}

@@ -1,0 +1,59 @@
+"""The header every state shard carries: JSON beside the bytes, written by the client's save,
+kept by the daemon (slots, replicas, the durable tier) and read by restores and the coordinator.
+
+The daemon reads only ``layout_roles`` (which roles make a whole step), ``unique_nbytes`` and
+``lineage``; the rest is the client's to decode (``trainer_client.state_codec``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class ShardHeader(TypedDict, total=False):
+    tree: Any  # the state's structure, tensors as references
+    tensors: list[dict[str, Any]]  # storage, dtype, shape, stride, storage_offset, requires_grad
+    storages: list[dict[str, Any]]  # stream ("private" | "replicated"), offset, nbytes
+    stream_nbytes: dict[str, int]
+    role: str  # dp<r>-pp<r>-tp<r>
+    layout: dict[str, int]
+    layout_roles: list[str]  # every role of the job's layout: a step is whole when each has a shard
+    private_nbytes: int  # the shard is [private part][this rank's slice of the replicated stream]
+    piece: list[int]  # [lo, hi): the slice of the replicated stream
+    unique_nbytes: int  # the state's bytes once (private + replicated)
+    lineage: int  # the run segment; a restore never mixes two
+
+
+def layout_roles(header: dict[str, Any], role: str) -> list[str]:
+    """The roles a whole step of this shard's job has (just ``role`` for a header that names none)."""
+    return [str(r) for r in header.get("layout_roles", [role])]
+
+
+def lineage(header: dict[str, Any]) -> int:
+    return int(header.get("lineage", 0))
+
+
+def check_header(value: object) -> ShardHeader:
+    """``value`` as a shard header; ValueError naming the field that has the wrong type."""
+    if not isinstance(value, dict):
+        raise ValueError("a shard header is a JSON object")
+    for key, kind in _TYPES.items():
+        if key in value and not isinstance(value[key], kind):
+            raise ValueError(f"shard header field {key!r} must be {kind.__name__}, got {type(value[key]).__name__}")
+    if "layout_roles" in value and not all(isinstance(r, str) for r in value["layout_roles"]):
+        raise ValueError("shard header field 'layout_roles' must list role names")
+    return value  # type: ignore[return-value]
+
+
+_TYPES: dict[str, type] = {
+    "tensors": list,
+    "storages": list,
+    "stream_nbytes": dict,
+    "role": str,
+    "layout": dict,
+    "layout_roles": list,
+    "private_nbytes": int,
+    "piece": list,
+    "unique_nbytes": int,
+    "lineage": int,
+}

@@ -1,0 +1,254 @@
+"""The restore side of a Checkpointer: which step every rank loads, and loading it.
+
+Every rank asks its daemon for the newest restorable step; the ranks take the minimum (a
+collective), load that step, and agree on the outcome: intact, a copy failed its checksum (try
+the step's other copies), or older (some role has no intact copy, or the shards mix two run
+segments). Every rank makes the same collective calls whatever happens locally: a rank that
+fails says so through the reduction, and then every rank raises — no rank is left waiting in an
+all_reduce the others never join.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dataserver.protocol.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
+from dataserver.protocol.pagemap import populate_read
+from statestore.protocol import control as proto
+from statestore.protocol import durable
+from statestore.protocol.shard import lineage as lineage_of
+from trainer_client._commit import CommitPipeline
+from trainer_client.razor import Layout
+from trainer_client.state_codec import decode
+
+log = logging.getLogger(__name__)
+# A rank's outcome of loading the agreed step; the ranks act on the minimum.
+_FAILED, _OLDER, _ANOTHER_COPY, _INTACT = -1, 0, 1, 2
+_MAX_COPIES_PER_STEP = 8  # each try drops a corrupt copy, so this only bounds a misbehaving daemon
+
+Found = tuple[int, str, dict[str, Any]]  # step, source ("memory" | "durable"), shards by role
+
+
+@dataclass
+class Restored:
+    step: int
+    state: Any
+    source: str  # "memory" or "durable"
+
+
+class RestoreAgreement:
+    def __init__(
+        self,
+        pipeline: CommitPipeline,
+        job: str,
+        layout: Layout,
+        durable_dir: Path | None,
+        timeout_s: float,
+        copy: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None],
+    ) -> None:
+        self.pipeline = pipeline
+        self.job, self.layout, self.role = job, layout, layout.role
+        self.durable_dir = durable_dir
+        self.timeout_s = timeout_s
+        self.copy = copy
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-verify-{job}-{self.role}")
+
+    def run(self, into: Any, view: bool, group: Any) -> tuple[Restored | None, int]:
+        """The agreed step's state (None on a fresh job) and the lineage it continues."""
+        below: int | None = None
+        retries = 0
+        while True:
+            error: BaseException | None = None
+            found = None
+            try:
+                found = self._restorable(below)
+            except FFPlaneError as exc:
+                error = exc
+            mine = -1 if found is None else found[0]
+            ok, low, high = reduce_min(group, [0 if error else 1, mine, -mine])
+            if not ok:
+                raise error or FFPlaneError(f"another rank could not look up its checkpoint of job {self.job!r}; see its log")
+            if -high < 0:  # no rank found anything
+                if below is not None:  # there were versions, and every one failed its checksum
+                    raise CorruptError(
+                        f"no intact checkpoint of job {self.job!r} below step {below} for every role; all copies failed their checksums"
+                    )
+                return None, 0
+            if low < 0:
+                raise NotFoundError(
+                    f"some ranks of job {self.job!r} found no checkpoint while others found step {-high}; refusing to start "
+                    "fresh beside restored ranks (is every node's daemon running and reachable?)"
+                )
+            step = low  # the ranks' minimum; every rank loads exactly this step
+            status, restored, source, lineage = _INTACT, None, "", 0
+            try:
+                if found is None or found[0] != step:
+                    found = self._restorable(below, step=step)
+                    if found is None or found[0] != step:
+                        raise NotFoundError(f"the ranks agreed on step {step} but this daemon cannot provide it for role {self.role}")
+                _, source, shards = found
+                # the daemon checks the checksums of the in-memory shards we use while we copy them
+                in_memory = [] if source == "durable" else sorted(r for r, sh in shards.items() if sh.get("kind") != "durable")
+                intact = self._pool.submit(self.pipeline.call, proto.Verify(self.job, step, in_memory)) if in_memory else None
+                lineages = {lineage_of(sh["header"]) for sh in shards.values()}
+                lineage = min(lineages)
+                restored = self._load(step, source, shards, into, view)
+                if intact is not None and not intact.result(timeout=self.timeout_s).intact:
+                    status = _ANOTHER_COPY  # the daemon dropped the corrupt copy; the step may have others
+                if len(lineages) > 1:
+                    status = _OLDER
+            except CorruptError as exc:  # no intact copy of some role at this step
+                log.warning("%s", exc, extra={"job": self.job, "role": self.role})
+                status, lineage = _OLDER, 0
+            except FFPlaneError as exc:
+                error, status, lineage = exc, _FAILED, 0
+            agreed_status, low, high = reduce_min(group, [status, lineage, -lineage])
+            if agreed_status == _FAILED:
+                raise error or FFPlaneError(f"another rank could not restore step {step} of job {self.job!r}; see its log")
+            if agreed_status == _INTACT and low == -high and restored is not None:
+                return restored, low
+            if agreed_status == _ANOTHER_COPY and retries < _MAX_COPIES_PER_STEP:
+                retries += 1
+                log.warning(
+                    "a copy of step %d failed its checksum and was dropped; trying its other copies",
+                    step,
+                    extra={"job": self.job, "role": self.role},
+                )
+                below = step + 1
+                continue
+            log.warning(
+                "step %d has no intact copy of some role, or mixes shards of a run the job rewound from; restoring an older step",
+                step,
+                extra={"job": self.job, "role": self.role},
+            )
+            below, retries = step, 0
+
+    def _load(self, step: int, source: str, shards: dict[str, Any], into: Any, view: bool) -> Restored:
+        me = shards.get(self.role)
+        if me is None:
+            raise NotFoundError(f"step {step} has no shard for role {self.role}; roles present: {sorted(shards)}")
+        header = me["header"]
+        mine = _map_shard(me)
+        peers = {r: _map_shard(shards[r]) for r in self.layout.dp_peers() if r in shards and r != self.role}
+        pieces = [
+            (shards[r]["header"]["piece"], shards[r]["header"]["private_nbytes"], peers.get(r, mine))
+            for r in self.layout.dp_peers()
+            if r in shards
+        ]
+        storages = []
+        lo, hi = header["piece"]
+        private = header["private_nbytes"]
+        owned = into is None and not view  # the caller gets tensors that no slot reuse can touch
+        for entry in header["storages"]:
+            off, n = entry["offset"], entry["nbytes"]
+            if entry["stream"] == "private":
+                mapped = mine[off : off + n]
+            elif lo <= off and off + n <= hi:
+                mapped = mine[private + off - lo : private + off - lo + n]
+            else:
+                storages.append(_assemble(off, n, pieces, step))  # already a fresh buffer
+                continue
+            storages.append(mapped.clone() if owned else mapped)
+        return Restored(step, decode(header, storages, into, copy=self.copy), source)
+
+    def _restorable(self, below: int | None, step: int | None = None) -> Found | None:
+        try:
+            reply = self._ask_restorable(below, step)
+        except UnavailableError:
+            raise
+        except FFPlaneError as exc:
+            if self.durable_dir is None:
+                raise
+            log.warning("no daemon answered (%s): restoring from the durable tier %s", exc, self.durable_dir)
+            return self._durable()
+        if reply.message:
+            log.warning("%s", reply.message, extra={"job": self.job, "role": self.role})
+        if reply.step is None:
+            if reply.corrupt:
+                raise CorruptError(f"job {self.job!r}: {reply.message}")
+            found = self._durable() if self.durable_dir is not None else None  # our own copy, if any
+            if found is None and reply.message and below is None:
+                # the job has state, just no consistent step of it: starting fresh would silently
+                # throw the run away
+                raise NotFoundError(f"job {self.job!r} cannot be restored: {reply.message}; pass durable_dir= to use a durable copy")
+            return found
+        return int(reply.step), str(reply.source), dict(reply.shards)
+
+    def _ask_restorable(self, below: int | None, step: int | None) -> proto.RestorableReply:
+        roles = sorted({self.role, *self.layout.dp_peers()})
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                reply: proto.RestorableReply = self.pipeline.call(proto.Restorable(self.job, False, below, roles, step))
+                return reply
+            except UnavailableError as exc:
+                # a node holding a shard we need did not answer — it may be dying, and the
+                # coordinator declares it dead within two seconds; then another copy is chosen
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("%s", exc, extra={"job": self.job, "role": self.role})
+                time.sleep(0.5)
+
+    def _durable(self) -> Found | None:
+        assert self.durable_dir is not None
+        step, shards = durable.restorable(self.durable_dir, self.job, set(self.layout.all_roles()))
+        return None if step is None else (step, "durable", shards)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def reduce_min(group: Any, values: list[int]) -> list[int]:
+    """Element-wise minimum over the ranks (the values themselves without a process group)."""
+    if group is None:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":  # NCCL reduces device tensors only
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+def _map_shard(shard: dict[str, Any]) -> torch.Tensor:
+    """A shard's bytes as a uint8 tensor over a private (copy-on-write) mapping of its file."""
+    fd = os.open(shard["path"], os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    populate_read(whole.data_ptr(), size)
+    begin = int(shard["offset"])
+    if begin + int(shard["nbytes"]) > size:
+        raise CorruptError(f"shard {shard['path']} is shorter than its header says")
+    return whole[begin : begin + int(shard["nbytes"])]
+
+
+def _assemble(off: int, n: int, pieces: list[tuple[list[int], int, torch.Tensor]], step: int) -> torch.Tensor:
+    """A razored storage rebuilt from the dp group's slices of the replicated stream."""
+    out = torch.empty(n, dtype=torch.uint8)
+    covered = 0
+    for (lo, hi), private, shard in pieces:
+        a, b = max(off, lo), min(off + n, hi)
+        if a < b:
+            out[a - off : b - off].copy_(shard[private + a - lo : private + b - lo])
+            covered += b - a
+    if covered != n:
+        raise CorruptError(
+            f"step {step}: the dp group's slices {[p[0] for p in pieces]} cover {covered} of the {n} bytes at "
+            f"{off} of the replicated stream; a peer's shard is missing or was saved with another layout"
+        )
+    return out
