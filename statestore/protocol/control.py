@@ -277,10 +277,10 @@ def decode_request(line: bytes) -> Request:
     if cls is None:
         raise ValueError(f"unknown op {msg.get('op')!r}; expected {', '.join(REQUESTS)}")
     kwargs = {}
-    for f in fields(cls):  # type: ignore[arg-type]
-        if f.name in msg:
-            check = _STEP_CHECKS.get(cls.op, check_step) if f.name == "step" else _CHECKS[f.name]
-            kwargs[f.name] = check(msg[f.name])
+    for name in _field_names(cls):
+        if name in msg:
+            check = _STEP_CHECKS.get(cls.op, check_step) if name == "step" else _CHECKS[name]
+            kwargs[name] = check(msg[name])
     try:
         return cls(**kwargs)
     except TypeError as exc:  # a field without a default is missing
@@ -295,8 +295,17 @@ def decode_reply(request: Request, reply: dict[str, Any]) -> Any:
     if cls is CommitReply:
         nxt = reply.get("next")
         return CommitReply(str(reply["checksum"]), None if not nxt else Grant(str(nxt["slot"]), str(nxt["path"])))
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in reply.items() if k in names})
+    return cls(**{k: reply[k] for k in _field_names(cls) if k in reply})
+
+
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _NAMES.get(cls)
+    if names is None:  # once per message type: dataclasses.fields costs microseconds a call
+        names = _NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
 
 
 def _plain(reply: Any) -> dict[str, Any]:
