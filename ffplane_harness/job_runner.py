@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from dataserver.protocol.auth import TOKEN_ENV, bearer
 from ffplane_harness.local_cluster import LocalCluster
 from ffplane_harness.torchrun import TorchrunNode
 
@@ -60,9 +61,8 @@ class LocalJobs:
 
     def post(self, path: str, body: dict[str, Any]) -> None:
         assert self.cluster.dataserver is not None
-        req = urllib.request.Request(self.cluster.dataserver.url + path, json.dumps(body).encode(), method="POST")
-        req.add_header("Authorization", f"Bearer {self.token}")
-        req.add_header("Content-Type", "application/json")
+        headers = {**bearer(self.token), "Content-Type": "application/json"}
+        req = urllib.request.Request(self.cluster.dataserver.url + path, json.dumps(body).encode(), headers, method="POST")
         urllib.request.urlopen(req, timeout=10).read()
 
     def status(self, job: str) -> dict[str, Any]:
@@ -81,7 +81,7 @@ class LocalJobs:
         env = {
             "FFPLANE_NODE": f"n{daemon}",
             "FFPLANE_DATASERVER": self.cluster.dataserver.url,
-            "FFPLANE_TOKEN": self.token,
+            TOKEN_ENV: self.token,
             "FFPLANE_DAEMON_SOCKET": str(self.cluster.socket(daemon)),
             "FFPLANE_EVENTS_DIR": str(self.events_dir / job),
         }

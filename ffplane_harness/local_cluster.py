@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dataserver.httpserver import DIE_WITH_PARENT_ENV
+from dataserver.protocol.auth import TOKEN_ENV
 from ffplane_harness.netns import Netns
+from statestore.protocol.files import SOCKET_NAME
 
 
 @dataclass
@@ -65,7 +67,7 @@ def start(
     ready_file = workdir / f"{name}.ready"
     ready_file.unlink(missing_ok=True)
     log_path = workdir / f"{name}.log"
-    full_env = {**os.environ, "FFPLANE_TOKEN": token, **(env or {})}
+    full_env = {**os.environ, TOKEN_ENV: token, **(env or {})}
     with open(log_path, "ab") as log:
         argv = [sys.executable, "-m", module, *args, "--ready-file", str(ready_file)]
         popen = subprocess.Popen(
@@ -164,7 +166,7 @@ class LocalCluster:
         shutil.rmtree(self.roots[i], ignore_errors=True)
 
     def socket(self, i: int = 0) -> Path:
-        return self.roots[i] / "daemon.sock"
+        return self.roots[i] / SOCKET_NAME
 
     def worker_argv(self, i: int, argv: list[str]) -> list[str]:
         """``argv`` placed on daemon ``i``'s node."""

@@ -230,10 +230,10 @@ class Replicator:
                     maybe_there=(job, role, step) in self._again,
                 )
             except PeerError as exc:
-                if exc.status == 409 and not shard.current():
+                if exc.conflict and not shard.current():
                     self._discard(job, role, step)  # superseded here; a newer version is queued
                     continue
-                if exc.status == 422 and not await asyncio.to_thread(shard.intact):
+                if exc.corrupt and not await asyncio.to_thread(shard.intact):
                     self._quarantine(shard)  # the receiver found it corrupt, and so do we: sending it again cannot help
                     self._discard(job, role, step)
                     continue

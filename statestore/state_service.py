@@ -13,7 +13,8 @@ from typing import Any
 
 import aiohttp
 
-from dataserver.protocol.errors import FFPlaneError, UnavailableError
+from dataserver.protocol.auth import bearer
+from dataserver.protocol.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
 from dataserver.protocol.restorable import whole_steps
 from statestore import durable
 from statestore.link_gate import LinkGate, Priority
@@ -293,7 +294,7 @@ class StateService:
                 return shard
             except FFPlaneError as exc:
                 errors.append(f"{node} ({base}): {exc}")
-                if exc.status == 422 or exc.status == 404:  # its copy is corrupt, or gone: never ask it for this one again
+                if exc.status in (CorruptError.status, NotFoundError.status):  # its copy is corrupt, or gone: never ask it again
                     self._corrupt.add(job, role, step, node)
                 else:
                     unreachable = True
@@ -326,7 +327,7 @@ class StateService:
         }
 
     async def _job_status(self, job: str) -> dict[str, Any] | None:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        headers = bearer(self.token)
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
                 async with session.get(f"{self.dataserver}/v1/jobs/{job}/status", headers=headers) as resp:

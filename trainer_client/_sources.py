@@ -43,16 +43,15 @@ class DaemonSource:
         self.steps_dir = self.client.root / opened.steps
 
     def get(self, step: int) -> Step:
-        if self.steps_dir is not None:
-            # Already published: map it now; the get that moves our position is answered later.
-            path = self.steps_dir / step_file(step)
-            try:
-                step_bytes = StepBytes.map(path)
-            except FileNotFoundError:
-                pass
-            else:
-                self.client.send(Get(step))
-                return _one(step_bytes, step, f"daemon cache {path}")
+        # Already published: map it now; the get that moves our position is answered later.
+        path = self.steps_dir / step_file(step)
+        try:
+            step_bytes = StepBytes.map(path)
+        except FileNotFoundError:
+            pass
+        else:
+            self.client.send(Get(step))
+            return _one(step_bytes, step, f"daemon cache {path}")
         path = self.client.root / self.client.call(Get(step)).path
         try:
             step_bytes = StepBytes.map(path)

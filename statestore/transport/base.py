@@ -15,21 +15,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataserver.protocol.errors import FFPlaneError
+from dataserver.protocol.errors import ConflictError, CorruptError, FFPlaneError, NotFoundError
 from statestore.replicas import Replica, ReplicaStore
 from statestore.shard import LocalShard
 
 
 class PeerError(FFPlaneError):
-    """A shard move failed. ``status`` is HTTP-like and the ring policy and the state service
-    branch on it: 409, the shard was replaced on one side meanwhile (or the receiver holds part of
-    it); 422, the receiver found the bytes failed their checksum; 404, the holder has no such
-    shard; anything else, try again later. ``unreachable``: no connection could be made at all
-    (refused, or timed out), which a ring successor that still beats is reported for."""
+    """A shard move failed; ``status`` is the peer's answer. What the ring policy and the state
+    service act on: ``conflict``, the shard was replaced on one side meanwhile (or the receiver
+    holds part of it); ``corrupt``, the bytes failed their checksum; ``missing``, the holder has
+    no such shard; anything else, try again later. ``unreachable``: no connection could be made
+    at all (refused, or timed out), which a ring successor that still beats is reported for."""
 
     def __init__(self, message: str, status: int = 502, unreachable: bool = False) -> None:
         super().__init__(message, status)
         self.unreachable = unreachable
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == ConflictError.status
+
+    @property
+    def corrupt(self) -> bool:
+        return self.status == CorruptError.status
+
+    @property
+    def missing(self) -> bool:
+        return self.status == NotFoundError.status
 
 
 @dataclass(frozen=True)

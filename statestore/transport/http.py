@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dataserver.httpserver import BearerAuth
 from dataserver.protocol.auth import bearer
-from dataserver.protocol.errors import FFPlaneError
+from dataserver.protocol.errors import FFPlaneError, TransferOrderError
 from statestore.link_gate import LinkGate, Priority
 from statestore.protocol.names import NAME_PATTERN, check_name, check_step
 from statestore.replicas import Replica, ReplicaStore
@@ -116,7 +116,7 @@ class HttpTransport(Transport):
                     data=self._gated(staged, 0, urgent, prefix=meta_prefix(meta)),
                 )
             except PeerError as exc:
-                if exc.status != 409:
+                if not exc.conflict:
                     raise  # retried later through begin, from what arrived
                 start = await self._begin(url, meta)  # 409: the receiver holds part of it already
             else:
@@ -200,7 +200,7 @@ class HttpTransport(Transport):
                 offset = await replicas.write(job, role, step, offset, data)
             except FFPlaneError as exc:
                 conflicts += 1
-                if exc.status != 409 or conflicts > 16:
+                if not isinstance(exc, TransferOrderError) or conflicts > 16:
                     raise
                 # The holder is also pushing this shard here (it is our ring predecessor and
                 # re-replicates after the failure): both write one transfer, in order, so carry
