@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from dataserver.protocol.auth import bearer
-from dataserver.protocol.errors import CapacityError, FFPlaneError, TransportError, UnavailableError, error_from
+from dataserver.protocol.errors import CapacityError, FFPlaneError, FFTimeoutError, TransportError, UnavailableError, error_from
 from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.index import Index
@@ -212,8 +212,9 @@ class DataCache:
                     return await asyncio.shield(fut), False
                 except FFPlaneError as exc:
                     stream.failed.pop(step, None)
-                    # A data server restarting or briefly unreachable is not the reader's problem.
-                    if exc.status < 500 or time.perf_counter() - started > self.config.fetch_retry_s:
+                    # A data server restarting or briefly unreachable is not the reader's problem;
+                    # a step that cannot fit the budget will not fit in a moment either.
+                    if not isinstance(exc, (TransportError, FFTimeoutError)) or time.perf_counter() - started > self.config.fetch_retry_s:
                         raise
                     await asyncio.sleep(0.2)
         finally:
