@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import select
 import socket
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +27,21 @@ class DaemonClient:
             raise TransportError(f"no statestore daemon at {socket_path}: {exc}") from exc
         self._file = self._sock.makefile("rb")
         self.root = Path(socket_path).parent
-        self._unread = 0  # replies to requests sent with send(), read before the next call's
+        self._unread: deque[Request] = deque()  # sent with send(), replies read before the next call's
 
     def send(self, msg: Request) -> None:
         """Send a request whose reply is read (and checked) later: here, once it has arrived,
         or before the next ``call``'s."""
         self._write(msg)
-        self._unread += 1
+        self._unread.append(msg)
         # Now and then take the replies already here, never waiting for one. A reader whose
         # steps are all cached only ever sends; replies left unread filled the socket after
         # ~1,000 steps, the daemon's writer then blocked and it stopped reading this connection
         # (cursor frozen, prefetch stalled) until the reader's next blocking call. Every
         # ``_COLLECT_AFTER`` sends, not every one: this runs once per batch.
-        if self._unread >= _COLLECT_AFTER:
+        if len(self._unread) >= _COLLECT_AFTER:
             while self._unread and self.replied():
-                self._read(msg)
-                self._unread -= 1
+                self._read(self._unread.popleft())
 
     def post(self, msg: Request) -> None:
         """Send a request whose reply the caller reads with ``reply`` before any other call."""
@@ -58,8 +58,7 @@ class DaemonClient:
     def call(self, msg: Request) -> Any:
         self._write(msg)
         while self._unread:
-            self._read(msg)
-            self._unread -= 1
+            self._read(self._unread.popleft())
         return self._read(msg)
 
     def _write(self, msg: Request) -> None:

@@ -180,6 +180,28 @@ def test_daemon_sigkilled_restarts_and_reattaches_without_refetch(
     assert "reattached_steps" in restarted.log()
 
 
+def test_replies_to_requests_sent_ahead_are_read_as_their_own_type(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    """A reader sends ``Get`` without waiting; the next call reads those replies first, each as
+    the answer to its own request (read as the call's type, an ``Open`` after them failed)."""
+    from statestore.protocol.control import Get, Open, OpenReply
+    from trainer_client._daemon_client import DaemonClient
+
+    create_job(dataserver)
+    start_daemon()
+    client = DaemonClient(shm_root / "daemon.sock", 30)
+    try:
+        client.call(Open("j1", 0, TOKEN))
+        for step in (0, 1, 2):
+            client.send(Get(step))
+        reopened = client.call(Open("j1", 1, TOKEN))
+        assert isinstance(reopened, OpenReply) and reopened.steps == "j1/data/1"
+        assert client.call(Get(0)).path.startswith("j1/data/1/")
+    finally:
+        client.close()
+
+
 def test_one_copy_per_node_for_many_readers(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     import httpx
 
