@@ -63,7 +63,7 @@ class RestoreAgreement:
         self.copy = copy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-verify-{job}-{self.role}")
 
-    def run(self, into: Any, view: bool, group: Any) -> tuple[Restored | None, int]:
+    def run(self, into: Any, view: bool, group: Any, mesh: Any = None) -> tuple[Restored | None, int]:
         """The agreed step's state (None on a fresh job) and the lineage it continues."""
         below: int | None = None
         retries = 0
@@ -102,7 +102,7 @@ class RestoreAgreement:
                 intact = self._pool.submit(self.pipeline.call, proto.Verify(self.job, step, in_memory)) if in_memory else None
                 lineages = {lineage_of(sh["header"]) for sh in shards.values()}
                 lineage = min(lineages)
-                restored = self._load(step, source, shards, into, view)
+                restored = self._load(step, source, shards, into, view, mesh)
                 if intact is not None and not intact.result(timeout=self.timeout_s).intact:
                     status = _ANOTHER_COPY  # the daemon dropped the corrupt copy; the step may have others
                 if len(lineages) > 1:
@@ -133,7 +133,7 @@ class RestoreAgreement:
             )
             below, retries = step, 0
 
-    def _load(self, step: int, source: str, shards: dict[str, Any], into: Any, view: bool) -> Restored:
+    def _load(self, step: int, source: str, shards: dict[str, Any], into: Any, view: bool, mesh: Any) -> Restored:
         me = shards.get(self.role)
         if me is None:
             raise NotFoundError(f"step {step} has no shard for role {self.role}; roles present: {sorted(shards)}")
@@ -159,7 +159,7 @@ class RestoreAgreement:
                 storages.append(_assemble(off, n, pieces, step))  # already a fresh buffer
                 continue
             storages.append(mapped.clone() if owned else mapped)
-        return Restored(step, decode(header, storages, into, copy=self.copy), source)
+        return Restored(step, decode(header, storages, into, copy=self.copy, mesh=mesh), source)
 
     def _restorable(self, below: int | None, step: int | None = None) -> Found | None:
         try:

@@ -162,13 +162,15 @@ class Checkpointer:
         self._commits.ready(block=True)
 
     # --- restore -------------------------------------------------------------------------
-    def restore(self, into: Any = None, view: bool = False, agree: bool = True) -> Restored | None:
+    def restore(self, into: Any = None, view: bool = False, agree: bool = True, mesh: Any = None) -> Restored | None:
         """The restorable step's state for this role, or None on a fresh job.
 
         * ``restore()``: fresh tensors, owned by the caller (one allocation per saved storage;
           tensors that shared a storage share it again).
         * ``restore(into=state)``: copied into the caller's existing tensors (same structure),
           no allocation but for storages the razor split across the dp group.
+        * ``restore(mesh=device_mesh)``: saved DTensors (FSDP2, tensor parallel) come back as
+          DTensors on ``mesh`` with their saved placements (``into`` DTensors need no mesh).
         * ``restore(view=True)``: zero-copy views of the shards where a storage lies in one shard.
           Read-only by contract and valid only until this role's second save after the restore:
           the slot they map is then reused (a write to them stays private, copy-on-write).
@@ -180,7 +182,7 @@ class Checkpointer:
         every rank must call ``restore``), so every role restores the same step.
         """
         emit("restoring")
-        restored, lineage = self._restore.run(into, view, _group() if agree else None)
+        restored, lineage = self._restore.run(into, view, _group() if agree else None, mesh)
         if restored is not None:
             self.lineage = _next_lineage(lineage, restored.step)
             emit("restored", step=restored.step, source=restored.source)

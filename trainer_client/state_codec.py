@@ -50,6 +50,9 @@ class TensorRef:
     stride: list[int]
     storage_offset: int  # in elements
     requires_grad: bool = False
+    # a DTensor's local part: {"placements": [["shard", dim] | ["replicate"] | ["partial", op]],
+    # "mesh": mesh shape, "shape": global shape, "stride": global stride}
+    dtensor: dict[str, Any] | None = None
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Encoded:
                     "shape": t.shape,
                     "stride": t.stride,
                     "storage_offset": t.storage_offset,
+                    **({"dtensor": t.dtensor} if t.dtensor is not None else {}),
                     "requires_grad": t.requires_grad,
                 }
                 for t in self.tensors
@@ -103,6 +107,8 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Enc
 
     def walk(node: Any, path: tuple[str | int, ...], stream: str) -> Any:
         if isinstance(node, torch.Tensor):
+            if _is_dtensor(node):
+                return {_TENSOR_TAG: dtensor(node, path, stream)}
             return {_TENSOR_TAG: tensor(node, path, stream)}
         if isinstance(node, dict):
             out = {}
@@ -152,6 +158,19 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Enc
         enc.tensors.append(TensorRef(sid, dtype, list(t.shape), list(t.stride()), int(t.storage_offset()), t.requires_grad))
         return len(enc.tensors) - 1
 
+    def dtensor(t: Any, path: tuple[str | int, ...], stream: str) -> int:
+        """A DTensor is saved as this rank's local part: private where any mesh dimension shards
+        it (or holds a partial sum), in the key's stream where every dimension replicates it."""
+        placements = [_placement(p) for p in t.placements]
+        ref = tensor(t.to_local(), path, stream if all(p == ["replicate"] for p in placements) else "private")
+        enc.tensors[ref].dtensor = {
+            "placements": placements,
+            "mesh": list(t.device_mesh.shape),
+            "shape": list(t.shape),
+            "stride": list(t.stride()),
+        }
+        return ref
+
     enc.tree = walk(state, (), "replicated")  # JSON by construction: walk lets nothing else through
     return enc
 
@@ -161,12 +180,15 @@ def decode(
     storages: list[torch.Tensor],
     into: Any = None,
     copy: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+    mesh: Any = None,
 ) -> Any:
     """Rebuild the state from ``storages`` (uint8 tensors, one per storage entry).
 
     With ``into`` (a state of the same structure), every tensor is copied into the caller's
     existing tensor and ``into`` is returned updated; otherwise tensors view ``storages``.
     ``copy`` runs the (destination, source) copies for ``into`` (default: one after another).
+    A saved DTensor lands in ``into``'s DTensor (same placements and mesh shape), or, where
+    ``into`` has none, becomes a DTensor on ``mesh`` (a ``DeviceMesh`` of the saved shape).
     """
     refs = [TensorRef(**t) for t in header["tensors"]]
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -183,6 +205,9 @@ def decode(
         if isinstance(node, dict):
             if _TENSOR_TAG in node:
                 src = view(node[_TENSOR_TAG])
+                saved = refs[node[_TENSOR_TAG]].dtensor
+                if saved is not None:
+                    return _dtensor_into(saved, src, target, mesh, path, pending)
                 if target is None:
                     return src
                 if not isinstance(target, torch.Tensor) or target.shape != src.shape or target.dtype != src.dtype:
@@ -215,3 +240,59 @@ def decode(
             for d, s in pending:
                 d.copy_(s)
     return out
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor holds none
+        return False
+    return isinstance(t, DTensor)
+
+
+def _placement(p: Any) -> list[Any]:
+    if p.is_shard():
+        return ["shard", int(p.dim)]
+    if p.is_replicate():
+        return ["replicate"]
+    if p.is_partial():
+        return ["partial", str(getattr(p, "reduce_op", "sum"))]
+    raise StateError(f"a DTensor placement {p!r} ffplane does not know; save its full_tensor() instead")
+
+
+def _placements(saved: list[list[Any]]) -> list[Any]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    return [Shard(p[1]) if p[0] == "shard" else Replicate() if p[0] == "replicate" else Partial(p[1]) for p in saved]
+
+
+def _dtensor_into(saved: dict[str, Any], src: torch.Tensor, target: Any, mesh: Any, path: tuple[str | int, ...], pending: list[Any]) -> Any:
+    """A saved DTensor's local part into ``target``'s, or as a new DTensor on ``mesh``."""
+    where = f"state{_key(path)} was saved as a DTensor with placements {saved['placements']} on a mesh of shape {saved['mesh']}"
+    if target is not None:
+        if not _is_dtensor(target):
+            raise StateError(
+                f"{where}; into{_key(path)} is a {type(target).__name__}: pass the DTensor state (e.g. the sharded model's state_dict())"
+            )
+        if [_placement(p) for p in target.placements] != saved["placements"] or list(target.device_mesh.shape) != saved["mesh"]:
+            raise StateError(
+                f"{where}; into{_key(path)} has {[_placement(p) for p in target.placements]} on {list(target.device_mesh.shape)}: "
+                "a restore into another layout needs a resharding load (DCP)"
+            )
+        local = target.to_local()
+        if local.shape != src.shape or local.dtype != src.dtype:
+            raise StateError(
+                f"{where}; into{_key(path)} holds a local {local.dtype} part of shape {tuple(local.shape)}, saved {tuple(src.shape)}"
+            )
+        pending.append((local, src))
+        return target
+    if mesh is None:
+        raise StateError(f"{where}; restore it with restore(into=state) or restore(mesh=<its DeviceMesh>)")
+    if list(mesh.shape) != saved["mesh"]:
+        raise StateError(f"{where}; the mesh given has shape {list(mesh.shape)}")
+    from torch.distributed.tensor import DTensor
+
+    local = src.clone().to(mesh.device_type) if mesh.device_type != "cpu" else src.clone()
+    return DTensor.from_local(
+        local, mesh, _placements(saved["placements"]), run_check=False, shape=torch.Size(saved["shape"]), stride=tuple(saved["stride"])
+    )

@@ -94,3 +94,43 @@ def test_encode_reuses_the_previous_views_only_of_storages_still_in_the_state() 
     assert second.sources[1] is not first.sources[1]
     out = decode(json.loads(json.dumps(second.header())), [s.clone() for s in second.sources])
     assert torch.equal(out["kept"], kept) and torch.equal(out["replaced"], fresh)
+
+
+@pytest.fixture
+def mesh(tmp_path):  # type: ignore[no-untyped-def]
+    """A one-rank gloo group and its device mesh, torn down afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_is_saved_as_its_local_part_and_comes_back_only_onto_a_mesh(mesh) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    sharded = DTensor.from_local(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0)])
+    replicated = DTensor.from_local(torch.ones(5), mesh, [Replicate()])
+    enc = encode({"w": sharded, "b": replicated, "step": torch.tensor(3)})
+    assert [s.stream for s in enc.storages] == ["private", "replicated", "replicated"]  # sharded: this rank's own
+    header = json.loads(json.dumps(enc.header()))
+    storages = [src.clone() for src in enc.sources]
+    with pytest.raises(StateError, match=r"state\['w'\] was saved as a DTensor .* restore\(mesh="):
+        decode(header, storages)
+    with pytest.raises(StateError, match=r"into\['w'\] is a Tensor"):
+        decode(header, storages, into={"w": torch.zeros(3, 4), "b": torch.zeros(5), "step": torch.tensor(0)})
+    back = decode(header, storages, mesh=mesh)
+    assert isinstance(back["w"], DTensor) and back["w"].placements == (Shard(0),) and torch.equal(back["w"].to_local(), sharded.to_local())
+    into = {
+        "w": DTensor.from_local(torch.zeros(3, 4), mesh, [Shard(0)]),
+        "b": DTensor.from_local(torch.zeros(5), mesh, [Replicate()]),
+        "step": torch.tensor(0),
+    }
+    decode(header, storages, into=into)
+    assert torch.equal(into["w"].to_local(), sharded.to_local()) and torch.equal(into["b"].to_local(), torch.ones(5))
+    wrong = {**into, "w": DTensor.from_local(torch.zeros(3, 4), mesh, [Replicate()])}
+    with pytest.raises(StateError, match="resharding load"):
+        decode(header, storages, into=wrong)

@@ -1,0 +1,87 @@
+"""One rank of a small FSDP2 (``fully_shard``) job on CPU/gloo, launched by torchrun.
+
+``train SOCKET OUT STEPS``: train STEPS optimizer steps, saving the model's and optimizer's
+sharded state after each; write the full weights and optimizer moments at the end to OUT.
+``restore SOCKET OUT``: build the same job, restore the newest step twice — into the live
+sharded state, and as new DTensors on the mesh loaded with ``load_state_dict`` — and write what
+each holds to OUT (``.into`` / ``.mesh``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from trainer_client import Checkpointer, Layout
+
+
+def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh
+
+
+def _full(state: dict[str, object]) -> dict[str, torch.Tensor]:
+    """Every tensor of a state, gathered whole (a collective: every rank calls it)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(node: object, key: str) -> None:
+        if isinstance(node, torch.Tensor):
+            out[key] = node.full_tensor() if hasattr(node, "full_tensor") else node.clone()
+        elif isinstance(node, dict):
+            for k, v in sorted(node.items(), key=lambda kv: str(kv[0])):
+                walk(v, f"{key}/{k}")
+
+    walk(state, "")
+    return out
+
+
+def main() -> None:
+    mode, sock = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, mesh = _job()
+    ckpt = Checkpointer("fsdp2", Layout(dp=world, dp_rank=rank), socket_path=sock)
+    if mode == "train":
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(1, int(sys.argv[4]) + 1):
+            x = torch.randn(16, 24, generator=gen)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+        ckpt.wait()
+        full = {**_full(model.state_dict()), **_full(opt.state_dict()["state"])}
+        if rank == 0:
+            torch.save(full, sys.argv[3])
+    else:
+        # the live state needs the optimizer's moments to exist: one step of zero gradients
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        live = {"model": model.state_dict(), "optim": opt.state_dict()}
+        into = ckpt.restore(into=live)
+        assert into is not None
+        got_into = {**_full(model.state_dict()), **_full(opt.state_dict()["state"])}
+        fresh_model, fresh_opt, _ = _job()
+        again = ckpt.restore(mesh=mesh)
+        assert again is not None and again.step == into.step
+        fresh_model.load_state_dict(again.state["model"])
+        got_mesh = _full(fresh_model.state_dict())
+        if rank == 0:
+            torch.save({"step": into.step, "into": got_into, "mesh": got_mesh}, sys.argv[3])
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
