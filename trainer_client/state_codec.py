@@ -29,6 +29,7 @@ _DTYPES = {
 }  # fmt: skip
 _NAMES = {d: name for name, d in _DTYPES.items()}
 _TENSOR_TAG = "__ffplane_tensor__"
+_STATEFUL_TAG = "__ffplane_stateful__"
 
 
 class StateError(FFPlaneError, TypeError):
@@ -123,6 +124,8 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Enc
             return {"__tuple__": items} if isinstance(node, tuple) else items
         if node is None or isinstance(node, (bool, int, str)):
             return node
+        if _is_stateful(node):  # a scheduler, a GradScaler, a DataLoader, a module: its state_dict()
+            return {_STATEFUL_TAG: walk(node.state_dict(), path, stream), "type": f"{type(node).__module__}.{type(node).__qualname__}"}
         if isinstance(node, float):
             if not math.isfinite(node):
                 return {"__float__": repr(node)}  # JSON has no inf/nan
@@ -192,6 +195,7 @@ def decode(
     """
     refs = [TensorRef(**t) for t in header["tensors"]]
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pending_stateful: list[tuple[Any, Any]] = []  # loaded once its tensors are copied
 
     def view(i: int) -> torch.Tensor:
         r = refs[i]
@@ -213,6 +217,14 @@ def decode(
                 if not isinstance(target, torch.Tensor) or target.shape != src.shape or target.dtype != src.dtype:
                     raise StateError(f"into{_key(path)}: expected a {src.dtype} tensor of shape {tuple(src.shape)}, got {target!r:.80}")
                 pending.append((target, src))
+                return target
+            if _STATEFUL_TAG in node:
+                inner = build(node[_STATEFUL_TAG], None, path)
+                if target is None:
+                    return inner  # the saved state_dict(): the caller loads it
+                if not _is_stateful(target):
+                    raise StateError(f"into{_key(path)}: a {node['type']} was saved here, with load_state_dict(); got {target!r:.80}")
+                pending_stateful.append((target, inner))  # loaded once the tensors are copied
                 return target
             if "__tuple__" in node:
                 return tuple(build(v, None, (*path, i)) for i, v in enumerate(node["__tuple__"]))
@@ -239,7 +251,29 @@ def decode(
         else:
             for d, s in pending:
                 d.copy_(s)
+    for obj, inner in pending_stateful:
+        # owned copies: a load_state_dict may keep the tensors it is given (an optimizer's does),
+        # and these view the slot the role's second save from now writes into
+        obj.load_state_dict(_owned(inner))
     return out
+
+
+def _is_stateful(obj: Any) -> bool:
+    return (
+        not isinstance(obj, (torch.Tensor, dict, list, tuple))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _owned(node: Any) -> Any:
+    if isinstance(node, torch.Tensor):
+        return node.clone()
+    if isinstance(node, dict):
+        return {k: _owned(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_owned(v) for v in node)
+    return node
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

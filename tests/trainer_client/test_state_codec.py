@@ -134,3 +134,47 @@ def test_a_dtensor_is_saved_as_its_local_part_and_comes_back_only_onto_a_mesh(me
     wrong = {**into, "w": DTensor.from_local(torch.zeros(3, 4), mesh, [Replicate()])}
     with pytest.raises(StateError, match="resharding load"):
         decode(header, storages, into=wrong)
+
+
+class _Counter:
+    """A Stateful leaf of the user's own: state_dict() / load_state_dict()."""
+
+    def __init__(self) -> None:
+        self.seen, self.history = 0, torch.zeros(3)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"seen": self.seen, "history": self.history}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.seen, self.history = state["seen"], state["history"]  # keeps the tensor it is given
+
+
+def test_stateful_leaves_are_saved_by_state_dict_and_loaded_into_the_callers_objects() -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    counter = _Counter()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    scaler.scale(torch.ones(1))  # the scale tensor exists from the first scaled loss on
+    scaler.update(512.0)
+    counter.seen, counter.history = 7, torch.tensor([1.0, 2.0, 3.0])
+    enc = encode({"sched": sched, "scaler": scaler, "counter": counter, "model": model})  # before: refused
+    header = json.loads(json.dumps(enc.header()))
+    storages = [s.clone() for s in enc.sources]
+
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.5)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    scaler2, counter2 = torch.amp.GradScaler("cpu"), _Counter()
+    decode(header, storages, into={"sched": sched2, "scaler": scaler2, "counter": counter2, "model": model2})
+    assert sched2.state_dict()["last_epoch"] == 3 and sched2.get_last_lr() == sched.get_last_lr()
+    assert scaler2.state_dict() == scaler.state_dict() and scaler2.get_scale() == 512.0
+    assert counter2.seen == 7 and torch.equal(counter2.history, counter.history)
+    storages[header["tensors"][0]["storage"]].zero_()  # the slot is reused later: the loaded state must not see it
+    assert torch.equal(counter2.history, torch.tensor([1.0, 2.0, 3.0]))
+    assert all(torch.equal(a, b) for a, b in zip(model2.state_dict().values(), model.state_dict().values()))
+    plain = decode(header, storages)  # without into: the saved state_dict()s, for the caller to load
+    assert plain["counter"]["seen"] == 7 and plain["sched"]["last_epoch"] == 3
