@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from trainer_client.dataloader import DataLoader
     from trainer_client.link_hints import LinkHints
     from trainer_client.razor import Layout
+    from trainer_client.rng import RngState
     from trainer_client.state_codec import StateError
 
 _HOME = {
@@ -41,6 +42,7 @@ _HOME = {
     "LinkHints": "trainer_client.link_hints",
     "NotFoundError": "dataserver.protocol.errors",
     "Restored": "trainer_client.checkpointer",
+    "RngState": "trainer_client.rng",
     "StateError": "trainer_client.state_codec",
     "TransportError": "dataserver.protocol.errors",
     "UnauthorisedError": "dataserver.protocol.errors",

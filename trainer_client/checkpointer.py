@@ -32,6 +32,7 @@ from trainer_client._restore import RestoreAgreement, Restored
 from trainer_client.events import emit
 from trainer_client.launch import check_restartable
 from trainer_client.razor import Layout, slice_of
+from trainer_client.replicated_check import check_replicated
 from trainer_client.state_codec import Encoded, encode
 
 __all__ = ["Checkpointer", "Restored", "settle_all"]
@@ -101,6 +102,8 @@ class Checkpointer:
             self.skipped += 1
             return False
         self._commits.raise_failed()
+        if self.saves == 0:  # per-rank state saved as replicated would come back as another rank's
+            check_replicated(state, self.private_keys, self.layout, _group())
         started = time.perf_counter()
         enc = self._encoded = encode(state, self.private_keys, self._encoded)
         replicated = enc.stream_nbytes["replicated"]
