@@ -102,7 +102,7 @@ class Checkpointer:
             self.skipped += 1
             return False
         self._commits.raise_failed()
-        if self.saves == 0:  # per-rank state saved as replicated would come back as another rank's
+        if self.saves == 0 and self.layout.dp > 1:  # per-rank state saved as replicated would come back as another rank's
             check_replicated(state, self.private_keys, self.layout, _group())
         started = time.perf_counter()
         enc = self._encoded = encode(state, self.private_keys, self._encoded)

@@ -9,6 +9,7 @@ is saved whole by its owner. A shard is laid out as ``[private bytes][replicated
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,27 @@ class Layout:
 
     def all_roles(self) -> list[str]:
         return [role_name(d, p, t) for d in range(self.dp) for p in range(self.pp) for t in range(self.tp)]
+
+    @classmethod
+    def from_mesh(cls, mesh: Any) -> Layout:
+        """This rank's layout from a torch ``DeviceMesh``: a dimension named ``pp`` is pipeline,
+        ``tp`` tensor parallel, every other one (``dp``, ``dp_shard``, ``dp_replicate``, ``cp``,
+        an unnamed 1-D mesh) counts towards dp, flattened in mesh order."""
+        names = tuple(mesh.mesh_dim_names or ())
+        return layout_of(tuple(mesh.shape), names, tuple(int(mesh.get_local_rank(i)) for i in range(mesh.ndim)))
+
+
+def layout_of(shape: tuple[int, ...], names: tuple[str, ...], coords: tuple[int, ...]) -> Layout:
+    """The layout of the rank at ``coords`` of a mesh of ``shape`` whose dimensions are ``names``."""
+    if names and len(names) != len(shape):
+        raise ValueError(f"a mesh of shape {shape} with dimension names {names}")
+    sizes = {"dp": 1, "pp": 1, "tp": 1}
+    ranks = {"dp": 0, "pp": 0, "tp": 0}
+    for i, size in enumerate(shape):
+        kind = names[i] if names and names[i] in ("pp", "tp") else "dp"
+        ranks[kind] = ranks[kind] * size + coords[i]
+        sizes[kind] *= size
+    return Layout(sizes["dp"], ranks["dp"], sizes["pp"], ranks["pp"], sizes["tp"], ranks["tp"])
 
 
 def role_name(dp_rank: int, pp_rank: int, tp_rank: int) -> str:

@@ -10,6 +10,7 @@ is refused with an error naming its key.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,11 +278,10 @@ def _owned(node: Any) -> Any:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor holds none
-        return False
-    return isinstance(t, DTensor)
+    # Looked up, not imported: a process that holds a DTensor has loaded the module, and importing
+    # it costs ~1 s — paid on the first save of every restarted worker when this imported it.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _placement(p: Any) -> list[Any]:

@@ -48,9 +48,9 @@ def _full(state: dict[str, object]) -> dict[str, torch.Tensor]:
 def main() -> None:
     mode, sock = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     model, opt, mesh = _job()
-    ckpt = Checkpointer("fsdp2", Layout(dp=world, dp_rank=rank), socket_path=sock)
+    ckpt = Checkpointer("fsdp2", Layout.from_mesh(mesh), socket_path=sock)  # the role from the mesh
     if mode == "train":
         gen = torch.Generator().manual_seed(rank)
         for step in range(1, int(sys.argv[4]) + 1):

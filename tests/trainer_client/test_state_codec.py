@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trainer_client import StateError
+from trainer_client.razor import Layout, layout_of
 from trainer_client.state_codec import decode, encode
 
 
@@ -178,3 +179,22 @@ def test_stateful_leaves_are_saved_by_state_dict_and_loaded_into_the_callers_obj
     assert all(torch.equal(a, b) for a, b in zip(model2.state_dict().values(), model.state_dict().values()))
     plain = decode(header, storages)  # without into: the saved state_dict()s, for the caller to load
     assert plain["counter"]["seen"] == 7 and plain["sched"]["last_epoch"] == 3
+
+
+@pytest.mark.parametrize(
+    "shape, names, coords, expected",
+    [
+        ((4,), (), (2,), Layout(dp=4, dp_rank=2)),
+        ((2, 2), ("dp", "tp"), (1, 0), Layout(dp=2, dp_rank=1, tp=2, tp_rank=0)),
+        ((2, 3, 2), ("dp_replicate", "dp_shard", "tp"), (1, 2, 1), Layout(dp=6, dp_rank=5, tp=2, tp_rank=1)),
+        ((2, 2, 2), ("pp", "dp", "tp"), (1, 0, 1), Layout(dp=2, dp_rank=0, pp=2, pp_rank=1, tp=2, tp_rank=1)),
+    ],
+)
+def test_the_layout_comes_from_the_device_mesh(
+    shape: tuple[int, ...], names: tuple[str, ...], coords: tuple[int, ...], expected: Layout
+) -> None:
+    assert layout_of(shape, names, coords) == expected
+
+
+def test_layout_from_a_live_mesh(mesh) -> None:  # type: ignore[no-untyped-def]
+    assert Layout.from_mesh(mesh) == Layout()
