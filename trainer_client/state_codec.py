@@ -4,7 +4,9 @@ Tensors are saved by *storage*: tensors that share one (views, tied weights) are
 restored sharing it again; non-contiguous tensors keep their strides. The header is JSON — the
 tree with every tensor replaced by a reference (storage, offset, shape, stride, dtype) — so no
 pickle crosses a process boundary, and any leaf that is neither a tensor nor JSON-serialisable
-is refused with an error naming its key.
+is refused with an error naming its key. Two leaves are more than a tensor: a DTensor (FSDP2,
+tensor parallel) is saved as its local part with its placements and mesh shape, and a Stateful
+object (``state_dict()`` / ``load_state_dict()``) as its ``state_dict()``.
 """
 
 from __future__ import annotations
