@@ -7,10 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from statestore.protocol.durable import encode_head, restorable, shard, shard_path, step_dir, steps_by_role
+from statestore.protocol.durable import encode_head, shard_path, step_dir
 from statestore.shm import open_private, private_dir
-
-__all__ = ["restorable", "shard", "steps_by_role", "write_shard"]  # the daemon reads through here too
 
 
 def write_shard(

@@ -16,8 +16,9 @@ import aiohttp
 from dataserver.protocol.auth import bearer
 from dataserver.protocol.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
 from dataserver.protocol.restorable import whole_steps
-from statestore import durable
+from statestore.durable import write_shard
 from statestore.link_gate import LinkGate, Priority
+from statestore.protocol import durable
 from statestore.replicas import ReplicaStore
 from statestore.ring import Replicator
 from statestore.shard import CorruptCopies, LocalShard, find_local
@@ -102,9 +103,7 @@ class StateService:
 
             chunk = max(gate.config.chunk_bytes if gate else 0, 4 << 20)
             # its own thread: a copy waiting at the gate must not hold a thread that commits need
-            write = functools.partial(
-                durable.write_shard, self.durable.directory, job, role, v.step, data, v.checksum, v.header, admit, chunk
-            )
+            write = functools.partial(write_shard, self.durable.directory, job, role, v.step, data, v.checksum, v.header, admit, chunk)
             await loop.run_in_executor(self._durable_pool, write)
             self.durable_written += 1
         except Exception:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,3 +33,10 @@ def start(module: str, args: list[str], workdir: Path, name: str, env: dict[str,
 
 
 __all__ = ["TOKEN", "Proc", "start", "until"]
+
+
+def refused_daemon(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``statestore serve`` run to its exit, for flags it must refuse (its data server is
+    nowhere: a daemon that got past the checks would only retry)."""
+    cmd = [sys.executable, "-m", "statestore", "serve", "--dataserver", "http://127.0.0.1:9", "--root", str(root), "--port", "0", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)

@@ -18,7 +18,6 @@ import mmap
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +38,6 @@ from trainer_client._daemon_client import DaemonClient
 log = logging.getLogger(__name__)
 _MADV_POPULATE_WRITE = 23
 _SAY_WHY_AFTER_S = 1.0  # a save waiting this long for the previous commit logs why
-
-
-@dataclass(frozen=True)
-class Grant:
-    """A slot the daemon gave this role for one save: by ``Begin``, or reserved in the previous
-    commit's reply (``reserved``)."""
-
-    slot: str  # relative to the daemon's root: how requests name it
-    path: str  # absolute: where this process maps it
-    reserved: bool
 
 
 class _Slot:
@@ -89,7 +78,7 @@ class CommitPipeline:
         self._pending: proto.Commit | None = None  # the commit sent (or not: _unsent), its reply not read yet
         self._unsent: TransportError | None = None  # why the pending commit could not be sent
         self._failed: FFPlaneError | None = None  # a commit that failed, for the next save or wait
-        self._reserved: Grant | None = None  # the slot the last commit reply handed out
+        self._reserved: proto.Grant | None = None  # the slot the last commit reply handed out
         self._static: dict[str, Any] = {}  # the header's static part the daemon has (and its digest)
         self._static_digest = ""
 
@@ -131,23 +120,25 @@ class CommitPipeline:
         with self._lock:
             return self._collect(block)
 
-    def take_slot(self, step: int, nbytes: int) -> tuple[Grant, torch.Tensor]:
-        """A slot of at least ``nbytes`` for ``step``, and its mapping."""
+    def take_slot(self, step: int, nbytes: int) -> tuple[proto.Grant, bool, torch.Tensor]:
+        """A slot of at least ``nbytes`` for ``step``, whether the last commit reply reserved it
+        (else ``Begin`` granted it now), and its mapping."""
         if nbytes > self._slot_size or not self._slots:
             self._allocate(nbytes)
         slot, self._reserved = self._reserved, None
-        if slot is None or slot.path not in self._slots:
+        reserved = slot is not None and slot.path in self._slots
+        if slot is None or not reserved:
             slot = self._begin_slot(step, nbytes)
-        return slot, self._slots[slot.path].tensor
+        return slot, reserved, self._slots[slot.path].tensor
 
-    def abort(self, slot: Grant) -> None:
+    def abort(self, slot: proto.Grant) -> None:
         """Give the slot back, or every later save would find none free."""
         try:
             self.call(proto.Abort(self.job, self.role, slot.slot))
         except FFPlaneError:
             pass  # the daemon forgot it anyway (restarted)
 
-    def _begin_slot(self, step: int, nbytes: int) -> Grant:
+    def _begin_slot(self, step: int, nbytes: int) -> proto.Grant:
         """A slot for ``step`` when no commit reply reserved one (the first save, a busy slot)."""
         try:
             grant = self._begin(step)
@@ -156,7 +147,7 @@ class CommitPipeline:
             grant = self._begin(step)
         if grant.path not in self._slots:
             self._allocate(nbytes)
-        return Grant(grant.slot, grant.path, reserved=False)
+        return grant
 
     def _allocate(self, nbytes: int) -> None:
         if self._reserved is not None:  # a slot of the old size: give it back
@@ -181,7 +172,9 @@ class CommitPipeline:
                 time.sleep(0.01)
 
     # --- commits -------------------------------------------------------------------------
-    def post(self, step: int, slot: Grant, nbytes: int, tree: Any, static: dict[str, Any], save_block_s: float) -> None:
+    def post(
+        self, step: int, slot: proto.Grant, reserved: bool, nbytes: int, tree: Any, static: dict[str, Any], save_block_s: float
+    ) -> None:
         """Send the commit without waiting for it: the daemon checksums and records the slot
         while training goes on. The header's static part (tensors, storages, layout) goes only
         when it changed."""
@@ -199,7 +192,7 @@ class CommitPipeline:
                 nbytes,
                 {"tree": tree},
                 save_block_s,
-                slot.reserved,
+                reserved,
                 self._static_digest,
                 sent_static,
             )
@@ -251,7 +244,7 @@ class CommitPipeline:
             self._commit_failed(msg, exc)
             return True
         if reply is not None and reply.next is not None:  # the next save's slot: no 'begin' before it
-            self._reserved = Grant(reply.next.slot, reply.next.path, reserved=True)
+            self._reserved = reply.next
         return True
 
     def _recommit(self, msg: proto.Commit, why: FFPlaneError) -> proto.CommitReply | None:

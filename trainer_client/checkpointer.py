@@ -110,7 +110,7 @@ class Checkpointer:
         lo, hi = slice_of(replicated, self.layout.dp, self.layout.dp_rank)
         private = enc.stream_nbytes["private"]
         nbytes = private + hi - lo
-        slot, dst = self._commits.take_slot(step, nbytes)
+        slot, reserved, dst = self._commits.take_slot(step, nbytes)
         try:
             self._copy_into(dst, enc, lo, hi, private)
         except BaseException:
@@ -127,7 +127,7 @@ class Checkpointer:
                 "lineage": self.lineage,
             }
         )
-        self._commits.post(step, slot, nbytes, enc.tree, static, self.last_save_block_s)
+        self._commits.post(step, slot, reserved, nbytes, enc.tree, static, self.last_save_block_s)
         self.saves += 1
         emit("saved", step=step)
         return True

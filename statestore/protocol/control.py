@@ -37,49 +37,37 @@ def _dp_rank(value: object) -> int:
     return rank
 
 
-def _position(value: object) -> int:
-    step = int(value)  # type: ignore[call-overload]
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return step
-
-
-def _roles(value: object) -> list[str] | None:
-    if value is None:
-        return None
+def _roles(value: object) -> list[str]:
     if not isinstance(value, list):
         raise ValueError("'roles' must be a list of role names")
     return [check_name(r) for r in value]
 
 
-def _optional(check: Any) -> Any:
-    return lambda v: None if v is None else check(v)
-
-
-def _header(value: object) -> dict[str, Any]:
+def _object(value: object) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ValueError("commit needs a JSON object 'header'")
+        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
     return value
 
 
-# How each request field is checked as it arrives (names and steps become paths on the node).
+# How each request field is checked as it arrives (names and steps become paths on the node). A
+# field whose default is None also takes null.
 _CHECKS: dict[str, Any] = {
     "job": check_name,
     "role": check_name,
     "dp_rank": _dp_rank,
-    "token": _optional(str),
+    "token": str,
     "slot": str,
     "nbytes": int,
-    "header": _header,
+    "header": _object,
     "save_block_s": float,
     "reserved": bool,
     "static": str,
-    "static_header": _optional(dict),
+    "static_header": _object,
     "verify": bool,
-    "below": _optional(int),
+    "below": int,
     "roles": _roles,
+    "step": check_step,
 }
-_STEP_CHECKS: dict[str, Any] = {"get": _position, "restorable": _optional(check_step)}
 
 
 class Request:
@@ -277,10 +265,13 @@ def decode_request(line: bytes) -> Request:
     if cls is None:
         raise ValueError(f"unknown op {msg.get('op')!r}; expected {', '.join(REQUESTS)}")
     kwargs = {}
-    for name in _field_names(cls):
+    for name, nullable in _fields_of(cls):
         if name in msg:
-            check = _STEP_CHECKS.get(cls.op, check_step) if name == "step" else _CHECKS[name]
-            kwargs[name] = check(msg[name])
+            value = msg[name]
+            try:
+                kwargs[name] = None if value is None and nullable else _CHECKS[name](value)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{cls.op} field {name!r}: {exc}") from None
     try:
         return cls(**kwargs)
     except TypeError as exc:  # a field without a default is missing
@@ -295,17 +286,18 @@ def decode_reply(request: Request, reply: dict[str, Any]) -> Any:
     if cls is CommitReply:
         nxt = reply.get("next")
         return CommitReply(str(reply["checksum"]), None if not nxt else Grant(str(nxt["slot"]), str(nxt["path"])))
-    return cls(**{k: reply[k] for k in _field_names(cls) if k in reply})
+    return cls(**{k: reply[k] for k, _ in _fields_of(cls) if k in reply})
 
 
-_NAMES: dict[type, tuple[str, ...]] = {}
+_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {}
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    names = _NAMES.get(cls)
-    if names is None:  # once per message type: dataclasses.fields costs microseconds a call
-        names = _NAMES[cls] = tuple(f.name for f in fields(cls))
-    return names
+def _fields_of(cls: type) -> tuple[tuple[str, bool], ...]:
+    """(name, takes null) of each field; once per message type (``fields`` costs microseconds)."""
+    found = _FIELDS.get(cls)
+    if found is None:
+        found = _FIELDS[cls] = tuple((f.name, f.default is None) for f in fields(cls))
+    return found
 
 
 def _plain(reply: Any) -> dict[str, Any]:

@@ -138,31 +138,14 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
     assert set(out["targets"]) == {"ffplane_vs_plain", "no_save_vs_plain"}
 
 
+# a small dataset and few steps, for the benchmarks that walk the data path
+_SMALL_PATH = "--gib 0.02 --batch 32 --seq 256 --steps 8 --repeats 1 --huge off".split()
+
+
 def test_reader_steps_smoke(tmp_path: Path) -> None:
     from bench import reader_steps
 
-    out = reader_steps.main(
-        [
-            "--gib",
-            "0.02",
-            "--batch",
-            "32",
-            "--seq",
-            "256",
-            "--steps",
-            "8",
-            "--repeats",
-            "1",
-            "--work",
-            str(tmp_path / "data"),
-            "--huge",
-            "off",
-            "--results-dir",
-            str(tmp_path),
-            "--out",
-            "rs",
-        ]
-    )
+    out = reader_steps.main([*_SMALL_PATH, "--work", str(tmp_path / "data"), "--results-dir", str(tmp_path), "--out", "rs"])
     assert out["figures"]["copy_step_ms"]["median"] > 0
     assert 0 <= out["figures"]["copy_ahead_fraction"]["median"] <= 1
 
@@ -177,28 +160,7 @@ def test_save_cpu_smoke(tmp_path: Path) -> None:
 def test_path_cpu_smoke(tmp_path: Path) -> None:
     from bench import path_cpu
 
-    out = path_cpu.main(
-        [
-            "--gib",
-            "0.02",
-            "--batch",
-            "32",
-            "--seq",
-            "256",
-            "--steps",
-            "8",
-            "--repeats",
-            "1",
-            "--work",
-            str(tmp_path / "data"),
-            "--huge",
-            "off",
-            "--results-dir",
-            str(tmp_path),
-            "--out",
-            "pc",
-        ]
-    )
+    out = path_cpu.main([*_SMALL_PATH, "--work", str(tmp_path / "data"), "--results-dir", str(tmp_path), "--out", "pc"])
     f = out["figures"]
     assert f["dataserver_ms"]["median"] > 0 and f["daemon_ms"]["median"] > 0 and f["stack_ms"]["median"] > 0
     assert abs(f["total_ms"]["median"] - sum(f[k]["median"] for k in ("dataserver_ms", "daemon_ms", "reader_ms"))) < 1e-6

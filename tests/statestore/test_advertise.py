@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ffplane_harness.local_cluster import LocalCluster
-from tests._servers import TOKEN, Proc, start, until
+from tests._servers import TOKEN, Proc, refused_daemon, start, until
 from tests.conftest import cluster_in
 from trainer_client import Checkpointer
 
@@ -51,19 +51,7 @@ def test_a_daemon_listening_everywhere_advertises_the_address_that_reaches_the_d
 
 @pytest.mark.parametrize("address", ["0.0.0.0", "::"])
 def test_an_unreachable_advertise_address_is_refused(shm_root: Path, address: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "statestore",
-        "serve",
-        "--dataserver",
-        "http://127.0.0.1:9",
-        "--root",
-        str(shm_root),
-        "--advertise-address",
-        address,
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    r = refused_daemon(shm_root, "--advertise-address", address)
     assert r.returncode == 2 and "cannot be reached by other hosts" in r.stderr
     assert list(shm_root.iterdir()) == []
 

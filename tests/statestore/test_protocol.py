@@ -74,6 +74,7 @@ def test_an_error_reply_comes_back_as_the_type_the_daemon_raised() -> None:
         (b'{"op": "open", "job": "j"}', "dp_rank"),
         (b'{"op": "begin", "job": "j", "role": "r", "step": -4}', "step"),
         (b'{"op": "get", "step": -1}', "step"),
+        (b'{"op": "begin", "job": "j", "role": "r", "step": null}', "'step'"),  # only optional fields take null
         (b'{"op": "commit", "job": "j", "role": "r", "step": 1, "slot": "s", "nbytes": 1, "header": []}', "header"),
         (b'{"op": "commit", "job": "j", "role": "r", "step": 1, "slot": "s", "nbytes": 1, "header": {}, "static_header": {}}', "static"),
         (b'{"op": "restorable", "job": "j", "roles": "r"}', "roles"),
