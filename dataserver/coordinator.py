@@ -55,7 +55,7 @@ from dataserver.protocol.heartbeat import (
     decode_inventory,
     encode_events,
 )
-from dataserver.protocol.restorable import restorable_step
+from dataserver.protocol.restorable import Layouts, restorable_step
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +440,7 @@ class Coordinator:
     def status(self, job: str) -> dict[str, Any]:
         """Members, ring, dead nodes, where each role's shards are, and the restorable step."""
         locations: dict[str, dict[int, list[str]]] = {}
-        expected: set[str] = set()
+        layouts = Layouts()  # a dead node's copy still names its step's layout
         for m in self.members.values():
             for role, versions in m.inventory.get(job, {}).items():
                 for v in versions:
@@ -451,8 +451,8 @@ class Coordinator:
                         continue
                     if m.alive and not m.unreachable:  # nobody can pull from an unreachable node
                         locations.setdefault(role, {}).setdefault(step, []).append(m.node_id)
-                    expected |= set(peers)
-        restorable = restorable_step(locations, expected)
+                    layouts.add(step, peers)
+        restorable = restorable_step(locations, layouts)
         return {
             "job": job,
             "members": {
@@ -469,7 +469,8 @@ class Coordinator:
             "ring": self.ring(),
             "dead": self.dead(),
             "restorable_step": restorable,
-            "roles": sorted(expected),
+            "roles": sorted(set().union(*layouts.roles.values())),
+            "layouts": {str(s): sorted(roles) for s, roles in sorted(layouts.roles.items())},
             "shard_locations": {r: {str(s): nodes for s, nodes in sorted(steps.items())} for r, steps in sorted(locations.items())},
             "worker_exits": [w for w in self.worker_exits if w.get("job") in (None, job)][-32:],
         }

@@ -28,7 +28,7 @@ from dataserver.protocol.errors import (
     StaticHeaderUnknownError,
     UnknownSlotError,
 )
-from dataserver.protocol.restorable import whole_steps
+from dataserver.protocol.restorable import Layouts, whole_steps
 from statestore import shm
 from statestore.index import Index, remove_sidecar, write_sidecar
 from statestore.protocol.checksum import ALGORITHM, checksum
@@ -321,12 +321,12 @@ class SlotStore:
         worker can copy while the daemon verifies (restore ≈ max(copy, verify), not the sum).
         """
         roles = {r: rs for (j, r), rs in self.roles.items() if j == job}
-        expected = set(roles)
-        for rs in roles.values():  # a role's layout names its peers, even those never seen here
-            for v in rs.newest(1):
-                expected |= set(layout_roles(v.header, rs.role))
-        for step in whole_steps({r: rs.versions for r, rs in roles.items()}, expected, below):
-            chosen = {r: rs.versions[step] for r, rs in roles.items()}
+        layouts = Layouts()  # a version's layout names its peers, even those never seen here
+        for rs in roles.values():
+            for v in rs.versions.values():
+                layouts.add(v.step, layout_roles(v.header, rs.role))
+        for step in whole_steps({r: rs.versions for r, rs in roles.items()}, layouts, below):
+            chosen = {r: roles[r].versions[step] for r in layouts.of(step)}
             if not verify:
                 return step, chosen
             intact = await self.verify_step(chosen)

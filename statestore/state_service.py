@@ -15,10 +15,11 @@ import aiohttp
 
 from dataserver.protocol.auth import bearer
 from dataserver.protocol.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
-from dataserver.protocol.restorable import whole_steps
+from dataserver.protocol.restorable import Layouts, whole_steps
 from statestore.durable import write_shard
 from statestore.link_gate import LinkGate, Priority
 from statestore.protocol import durable
+from statestore.protocol.shard import layout_roles
 from statestore.replicas import ReplicaStore
 from statestore.ring import Replicator
 from statestore.shard import CorruptCopies, LocalShard, find_local
@@ -167,40 +168,52 @@ class StateService:
                 "step": found_step,
                 "source": "memory",
                 "shards": {r: self._shard_reply(self.local(job, r, found_step)) for r in versions},
+                "roles": sorted(versions),
             }
         known = {r for (j, r) in self.slots.roles if j == job}
-        return await self._durable(job, set(roles or []) | known, "no intact copy in this daemon's memory" if known else "", step)
+        return await self._durable(job, "no intact copy in this daemon's memory" if known else "", step)
 
     async def _restorable_jobwide(
         self, job: str, status: dict[str, Any], roles: list[str], below: int | None, step: int | None
     ) -> dict[str, Any]:
-        """Newest step with an intact copy of every role: per role, every copy of a step (here, on
-        a live node, in the durable tier) is tried before the step is given up for an older one."""
-        expected = set(status.get("roles", [])) | set(roles)
+        """Newest step with an intact copy of every role of its layout: per role, every copy of a
+        step (here, on a live node, in the durable tier) is tried before the step is given up for
+        an older one. The reply has the shards of those of ``roles`` that the step's layout names,
+        and that layout's roles."""
         alive = {n: m["address"] for n, m in status.get("members", {}).items() if m.get("alive")}
         where: dict[str, dict[int, list[str]]] = {
             r: {int(s): [n for n in nodes if n in alive] for s, nodes in steps.items()}
             for r, steps in status.get("shard_locations", {}).items()
         }
-        for r in expected:  # what is here counts even if the coordinator has not heard of it yet
-            for s in self._local_steps(job, r):
+        layouts = Layouts()
+        for s, names in status.get("layouts", {}).items():
+            layouts.add(int(s), names)
+        for r, steps in self._local_copies(job).items():  # what is here counts even if the coordinator has not heard of it yet
+            for s, names in steps.items():
                 where.setdefault(r, {}).setdefault(s, []).insert(0, self.node_id)
+                layouts.add(s, names)
         for r, steps in where.items():  # copies found corrupt are not asked again
             for s, nodes in steps.items():
                 nodes[:] = [n for n in nodes if (job, r, s, n) not in self._corrupt]
-        on_disk = await asyncio.to_thread(durable.steps_by_role, self.durable.directory, job, expected) if self.durable.directory else {}
-        have = [{s for s, nodes in where.get(r, {}).items() if nodes} for r in expected]
-        anywhere = {r: h | {s for s in on_disk.get(r, set()) if (job, r, s, _DURABLE) not in self._corrupt} for r, h in zip(expected, have)}
-        candidates = whole_steps(anywhere, expected, below if step is None else step + 1)
+        on_disk: dict[str, set[int]] = {}
+        if self.durable.directory:
+            on_disk, disk_layouts = await asyncio.to_thread(durable.layouts, self.durable.directory, job)
+            for s, names in disk_layouts.roles.items():
+                layouts.add(s, names)
+        known = set(where) | set(on_disk)
+        have = {r: {s for s, nodes in where.get(r, {}).items() if nodes} for r in known}
+        anywhere = {r: have[r] | {s for s in on_disk.get(r, set()) if (job, r, s, _DURABLE) not in self._corrupt} for r in known}
+        candidates = whole_steps(anywhere, layouts, below if step is None else step + 1)
         if step is not None:
             candidates = [step] if step in candidates else []
         corrupt: list[str] = []
         for chosen in candidates:
             try:
+                wanted = [r for r in roles if r in layouts.of(chosen)]
                 got = await asyncio.gather(
                     *(
                         self._copy_of(job, r, chosen, where.get(r, {}).get(chosen, []), alive, chosen in on_disk.get(r, set()))
-                        for r in roles
+                        for r in wanted
                     )
                 )
             except _NoIntactCopy as exc:
@@ -211,9 +224,14 @@ class StateService:
                 continue
             kinds = {g["kind"] == "durable" for g in got}
             source = "durable" if kinds == {True} else "memory" if kinds == {False} else "memory+durable"
-            reply: dict[str, Any] = {"step": chosen, "source": source, "shards": dict(zip(roles, got))}
+            reply: dict[str, Any] = {
+                "step": chosen,
+                "source": source,
+                "shards": dict(zip(wanted, got)),
+                "roles": sorted(layouts.of(chosen)),
+            }
             if source != "memory":
-                disk = sorted(r for r, g in zip(roles, got) if g["kind"] == "durable")
+                disk = sorted(r for r, g in zip(wanted, got) if g["kind"] == "durable")
                 reply["message"] = (
                     f"restoring step {chosen}: {', '.join(disk)} from the durable tier {self.durable.directory} (no intact copy in memory on a live node)"
                 )
@@ -226,7 +244,7 @@ class StateService:
                 "corrupt": True,
                 "message": "every copy failed its checksum: " + "; ".join(corrupt),
             }
-        if not any(have):  # nothing in memory anywhere: a fresh job, one restarted from disk, or one that lost everything
+        if not any(have.values()):  # nothing in memory anywhere: a fresh job, one restarted from disk, or one that lost everything
             had = status.get("committed_step")
             reason = (
                 ""
@@ -236,14 +254,15 @@ class StateService:
                     f"{status.get('dead', [])}); starting it from nothing would silently throw the run away"
                 )
             )
-            return await self._durable(job, expected, reason, step)
-        lost = sorted(r for r, h in zip(expected, have) if not h)
+            return await self._durable(job, reason, step)
+        newest = layouts.of(max(layouts.roles)) if layouts.roles else set()
+        lost = sorted(r for r in newest if not have.get(r))
         dead = status.get("dead", [])
         reason = (
             f"no step of job {job!r} has every role in memory on a live node (roles without any copy: {lost or 'none'}; "
             f"dead nodes: {dead}); a node and its ring successor were probably lost together"
         )
-        return await self._durable(job, expected, reason, step)
+        return await self._durable(job, reason, step)
 
     async def _copy_of(self, job: str, role: str, step: int, holders: list[str], alive: dict[str, str], on_disk: bool) -> dict[str, Any]:
         """A copy of ``role``'s shard of ``step`` to restore from: this node's, else one pulled
@@ -266,9 +285,19 @@ class StateService:
             failures.append(f"the durable copy in {self.durable.directory} failed its checksum")
         raise _NoIntactCopy(f"{role} step {step}: {'; '.join(failures) or 'no copy left'}")
 
-    def _local_steps(self, job: str, role: str) -> list[int]:
-        rs = self.slots.roles.get((job, role))
-        return sorted(set(rs.versions if rs else []) | set(self.replicas.complete.get((job, role), {})))
+    def _local_copies(self, job: str) -> dict[str, dict[int, list[str]]]:
+        """Role → step → the layout's roles, for every copy of ``job`` held here (own saves and
+        complete replicas)."""
+        out: dict[str, dict[int, list[str]]] = {}
+        for (j, role), rs in self.slots.roles.items():
+            if j == job:
+                for v in rs.versions.values():
+                    out.setdefault(role, {})[v.step] = layout_roles(v.header, role)
+        for (j, role), versions in self.replicas.complete.items():
+            if j == job:
+                for r in versions.values():
+                    out.setdefault(role, {})[r.step] = layout_roles(r.header, role)
+        return out
 
     async def _pull(self, job: str, role: str, step: int, holders: list[tuple[str, str]]) -> LocalShard:
         """Fetch a shard from the first holder that answers; workers of this node asking for the
@@ -303,15 +332,15 @@ class StateService:
             f"cannot fetch {role} step {step} of job {job!r} from any holder ({'; '.join(errors)}); retry once the coordinator has noticed the failure"
         )
 
-    async def _durable(self, job: str, roles: set[str], reason: str, step: int | None = None) -> dict[str, Any]:
+    async def _durable(self, job: str, reason: str, step: int | None = None) -> dict[str, Any]:
         """The newest durable step (exactly ``step`` when the ranks agreed on one)."""
         if self.durable.directory is not None:
             below = None if step is None else step + 1
-            dstep, dshards = await asyncio.to_thread(durable.restorable, self.durable.directory, job, roles, below)
+            dstep, dshards = await asyncio.to_thread(durable.restorable, self.durable.directory, job, below)
             if dstep is not None and (step is None or dstep == step):
                 message = f"{reason or 'nothing in memory'}: restoring step {dstep} from the durable tier {self.durable.directory}"
                 log.warning(message, extra={"job": job, "step": dstep})
-                return {"step": dstep, "source": "durable", "shards": dshards, "message": message}
+                return {"step": dstep, "source": "durable", "shards": dshards, "roles": sorted(dshards), "message": message}
         return {"step": None, "source": None, "shards": {}, "message": reason or None}
 
     def _shard_reply(self, shard: LocalShard | None) -> dict[str, Any]:

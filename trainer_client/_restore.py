@@ -39,6 +39,10 @@ _MAX_COPIES_PER_STEP = 8  # each try drops a corrupt copy, so this only bounds a
 Found = tuple[int, str, dict[str, Any]]  # step, source ("memory" | "durable"), shards by role
 
 
+class LayoutError(FFPlaneError):
+    """The restorable step was saved by a job of another parallel shape."""
+
+
 @dataclass
 class Restored:
     step: int
@@ -135,11 +139,20 @@ class RestoreAgreement:
 
     def _load(self, step: int, source: str, shards: dict[str, Any], into: Any, view: bool, mesh: Any) -> Restored:
         me = shards.get(self.role)
+        any_shard: dict[str, Any] = me or next(iter(shards.values()), {})
+        saved: dict[str, Any] = dict(any_shard.get("header", {}).get("layout") or {})
+        shape = {k: getattr(self.layout, k) for k in ("dp", "pp", "tp")}
+        if saved and {k: saved.get(k, 1) for k in shape} != shape:
+            raise LayoutError(
+                f"step {step} of job {self.job!r} was saved by a job of shape { ({k: saved.get(k, 1) for k in shape}) }, this one is "
+                f"{shape}: a Checkpointer restores into the shape it saved with; to change it, save and load through DCP "
+                "(trainer_client.dcp), which reshards"
+            )
         if me is None:
             raise NotFoundError(f"step {step} has no shard for role {self.role}; roles present: {sorted(shards)}")
         header = me["header"]
-        mine = _map_shard(me)
-        peers = {r: _map_shard(shards[r]) for r in self.layout.dp_peers() if r in shards and r != self.role}
+        mine = map_shard(me)
+        peers = {r: map_shard(shards[r]) for r in self.layout.dp_peers() if r in shards and r != self.role}
         pieces = [
             (shards[r]["header"]["piece"], shards[r]["header"]["private_nbytes"], peers.get(r, mine))
             for r in self.layout.dp_peers()
@@ -201,7 +214,7 @@ class RestoreAgreement:
 
     def _durable(self) -> Found | None:
         assert self.durable_dir is not None
-        step, shards = durable.restorable(self.durable_dir, self.job, set(self.layout.all_roles()))
+        step, shards = durable.restorable(self.durable_dir, self.job)
         return None if step is None else (step, "durable", shards)
 
     def close(self) -> None:
@@ -221,7 +234,7 @@ def reduce_min(group: Any, values: list[int]) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
-def _map_shard(shard: dict[str, Any]) -> torch.Tensor:
+def map_shard(shard: dict[str, Any]) -> torch.Tensor:
     """A shard's bytes as a uint8 tensor over a private (copy-on-write) mapping of its file."""
     fd = os.open(shard["path"], os.O_RDONLY)
     try:

@@ -98,11 +98,17 @@ class Checkpointer:
     # --- save ----------------------------------------------------------------------------
     def save(self, step: int, state: Any) -> bool:
         """Checkpoint ``state`` as the state after optimizer step ``step``; False if skipped."""
+        return self._save(step, state)
+
+    def _save(self, step: int, state: Any, header: dict[str, Any] | None = None) -> bool:
+        """``save``; ``header``: JSON fields for the shard header's static part (the DCP backend's
+        catalogue), sent to the daemon only when they change."""
         if not self._commits.ready(block=self.on_busy == "wait"):
             self.skipped += 1
             return False
         self._commits.raise_failed()
-        if self.saves == 0 and self.layout.dp > 1:  # per-rank state saved as replicated would come back as another rank's
+        if self.saves == 0 and self.layout.dp > 1 and _replicated_keys(state, self.private_keys):
+            # per-rank state saved as replicated would come back as another rank's
             check_replicated(state, self.private_keys, self.layout, _group())
         started = time.perf_counter()
         enc = self._encoded = encode(state, self.private_keys, self._encoded)
@@ -126,6 +132,7 @@ class Checkpointer:
                 "unique_nbytes": private + replicated,
                 "lineage": self.lineage,
             }
+            | (header or {})
         )
         self._commits.post(step, slot, reserved, nbytes, enc.tree, static, self.last_save_block_s)
         self.saves += 1
@@ -187,7 +194,7 @@ class Checkpointer:
         emit("restoring")
         restored, lineage = self._restore.run(into, view, _group() if agree else None, mesh)
         if restored is not None:
-            self.lineage = _next_lineage(lineage, restored.step)
+            self.lineage = next_lineage(lineage, restored.step)
             emit("restored", step=restored.step, source=restored.source)
         return restored
 
@@ -204,13 +211,17 @@ class Checkpointer:
             self._commits.close()
 
 
+def _replicated_keys(state: Any, private_keys: frozenset[str]) -> bool:
+    return not isinstance(state, dict) or any(str(k) not in private_keys for k in state)
+
+
 def _group() -> Any:
     import torch.distributed as dist
 
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _next_lineage(lineage: int, step: int) -> int:
+def next_lineage(lineage: int, step: int) -> int:
     import xxhash
 
     return xxhash.xxh3_64_intdigest(f"{lineage}:{step}".encode()) & ((1 << 62) - 1)  # fits an int64 all_reduce

@@ -95,6 +95,22 @@ class Encoded:
         }
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a header gives ``dtype`` (StateError for a dtype ffplane cannot save)."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        raise StateError(f"dtype {dtype} cannot be saved by ffplane")
+    return name
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The dtype a header names."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise StateError(f"a header names dtype {name!r}, unknown to this ffplane")
+    return dtype
+
+
 def _key(path: tuple[str | int, ...]) -> str:
     return "".join(f"[{p!r}]" for p in path) or "<root>"
 
@@ -257,7 +273,7 @@ def decode(
     for obj, inner in pending_stateful:
         # owned copies: a load_state_dict may keep the tensors it is given (an optimizer's does),
         # and these view the slot the role's second save from now writes into
-        obj.load_state_dict(_owned(inner))
+        obj.load_state_dict(owned(inner))
     return out
 
 
@@ -269,13 +285,13 @@ def _is_stateful(obj: Any) -> bool:
     )
 
 
-def _owned(node: Any) -> Any:
+def owned(node: Any) -> Any:
     if isinstance(node, torch.Tensor):
         return node.clone()
     if isinstance(node, dict):
-        return {k: _owned(v) for k, v in node.items()}
+        return {k: owned(v) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
-        return type(node)(_owned(v) for v in node)
+        return type(node)(owned(v) for v in node)
     return node
 
 

@@ -130,6 +130,7 @@ class RestorableReply:
     shards: dict[str, dict[str, Any]]  # role → path, offset, nbytes, checksum, header, kind
     message: str | None = None  # why it is not the newest step, or why there is none
     corrupt: bool = False  # every copy failed its checksum
+    roles: list[str] = field(default_factory=list)  # the roles of the layout ``step`` was saved with
 
 
 @dataclass(frozen=True)

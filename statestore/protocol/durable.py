@@ -19,7 +19,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from dataserver.protocol.restorable import whole_steps
+from dataserver.protocol.restorable import Layouts, whole_steps
 from statestore.protocol.checksum import ALGORITHM, checksum
 from statestore.protocol.shard import layout_roles
 
@@ -79,30 +79,28 @@ def shard(root: Path, job: str, role: str, step: int) -> dict[str, Any] | None:
     }
 
 
-def steps_by_role(root: Path, job: str, roles: set[str] | None = None) -> dict[str, set[int]]:
-    """The steps each role (of ``roles``; default every role) has a durable shard file for (not
-    verified: ``shard`` does that)."""
-    out: dict[str, set[int]] = {}
+def layouts(root: Path, job: str) -> tuple[dict[str, set[int]], Layouts]:
+    """The steps each role has a durable shard file for, and the layout each step's files name
+    (read from their heads; checksums are ``shard``'s to verify)."""
+    held: dict[str, set[int]] = {}
+    found = Layouts()
     for path in (root / job).glob("step-*/*.safetensors"):
-        if roles is None or path.stem in roles:
-            out.setdefault(path.stem, set()).add(int(path.parent.name.removeprefix("step-")))
-    return out
-
-
-def restorable(root: Path, job: str, roles: set[str], below: int | None = None) -> tuple[int | None, dict[str, dict[str, Any]]]:
-    """Newest durable step (< ``below``) holding an intact shard of every role in ``roles`` and of
-    the layout that step was saved with."""
-    held = steps_by_role(root, job)
-    for step in whole_steps(held, roles, below):
-        _, any_file = next(iter(sorted((r, shard_path(root, job, r, step)) for r in roles)))
+        step = int(path.parent.name.removeprefix("step-"))
         try:
-            meta, _, _ = read_meta(any_file)
-            expected = set(roles) | set(layout_roles(json.loads(meta["ffplane_header"]), next(iter(roles))))
+            meta, _, _ = read_meta(path)
+            found.add(step, layout_roles(json.loads(meta["ffplane_header"]), path.stem))
         except (OSError, ValueError, KeyError, struct.error):
-            continue
-        if step not in whole_steps(held, expected):
-            continue
-        shards = {role: shard(root, job, role, step) for role in expected}
+            continue  # unreadable: not a copy
+        held.setdefault(path.stem, set()).add(step)
+    return held, found
+
+
+def restorable(root: Path, job: str, below: int | None = None) -> tuple[int | None, dict[str, dict[str, Any]]]:
+    """Newest durable step (< ``below``) holding an intact shard of every role of the layout that
+    step was saved with; its shards by role."""
+    held, found = layouts(root, job)
+    for step in whole_steps(held, found, below):
+        shards = {role: shard(root, job, role, step) for role in found.of(step)}
         if all(shards.values()):
             return step, {r: s for r, s in shards.items() if s is not None}
     return None, {}

@@ -113,9 +113,9 @@ def test_a_durable_shard_file_reads_back_with_its_header_and_checksum(tmp_path: 
     assert path == durable.shard_path(tmp_path, "job", "dp0-pp0-tp0", 6)
     meta, offset, length = durable.read_meta(path)
     assert path.read_bytes()[offset : offset + length] == bytes(data) and json.loads(meta["ffplane_header"]) == header
-    step, shards = durable.restorable(tmp_path, "job", {"dp0-pp0-tp0"})
+    step, shards = durable.restorable(tmp_path, "job")
     assert step == 6 and shards["dp0-pp0-tp0"]["checksum"] == checksum(data)
     raw = bytearray(path.read_bytes())
     raw[offset] ^= 0xFF
     path.write_bytes(bytes(raw))
-    assert durable.restorable(tmp_path, "job", {"dp0-pp0-tp0"}) == (None, {})
+    assert durable.restorable(tmp_path, "job") == (None, {})

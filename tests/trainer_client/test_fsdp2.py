@@ -4,9 +4,6 @@ bit, into its live sharded state or as DTensors on its mesh (issue 17)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,36 +11,10 @@ import pytest
 import torch
 
 from tests._servers import Proc
+from tests.trainer_client._torchrun import torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("torch.distributed.fsdp")
-
-
-def _torchrun(tmp_path: Path, port: int, *args: str, module: str = "tests.trainer_client._fsdp2_worker") -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    log = tmp_path / f"torchrun-{args[0]}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-             "-m", module, *args],
-            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-        )  # fmt: skip
-        try:
-            rc = proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-    assert rc == 0, log.read_text()[-3000:]
-    return log.read_text()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_WORKER = "tests.trainer_client._fsdp2_worker"
 
 
 def test_fsdp2_state_restores_bitwise_into_the_live_shards_and_onto_the_mesh(
@@ -51,8 +22,8 @@ def test_fsdp2_state_restores_bitwise_into_the_live_shards_and_onto_the_mesh(
 ) -> None:
     start_daemon()
     sock = str(shm_root / "daemon.sock")
-    _torchrun(tmp_path, _free_port(), "train", sock, str(tmp_path / "trained.pt"), "4")
-    _torchrun(tmp_path, _free_port(), "restore", sock, str(tmp_path / "restored.pt"))
+    torchrun(tmp_path, _WORKER, "train", sock, str(tmp_path / "trained.pt"), "4")
+    torchrun(tmp_path, _WORKER, "restore", sock, str(tmp_path / "restored.pt"))
     trained = torch.load(tmp_path / "trained.pt")
     restored = torch.load(tmp_path / "restored.pt")
     assert restored["step"] == 4
@@ -72,9 +43,9 @@ def test_per_rank_state_saved_as_replicated_is_refused_naming_the_key_and_rng_st
 
     start_daemon()
     sock = str(shm_root / "daemon.sock")
-    log = _torchrun(tmp_path, _free_port(), "replicated", sock, module="tests.trainer_client._rank_state_worker")
+    log = torchrun(tmp_path, "tests.trainer_client._rank_state_worker", "replicated", sock)
     assert log.count("refused: ") == 2 and "['rng'] differ across the dp group" in log
-    _torchrun(tmp_path, _free_port(), "private", sock, str(tmp_path / "draws.json"), module="tests.trainer_client._rank_state_worker")
+    torchrun(tmp_path, "tests.trainer_client._rank_state_worker", "private", sock, str(tmp_path / "draws.json"))
     draws = json.loads((tmp_path / "draws.json").read_text())
     for rank in draws:  # after the restore every generator draws what it drew after the save
         assert rank[:4] == rank[4:]

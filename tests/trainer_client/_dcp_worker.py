@@ -1,0 +1,109 @@
+"""One rank of a small FSDP2 job that checkpoints through ``torch.distributed.checkpoint`` with
+ffplane's storage, launched by torchrun on CPU/gloo.
+
+``save SOCKET OUT STEPS``: train STEPS steps, ``dcp.save`` after each (the last one with
+``dcp.async_save``), and write the full weights, optimizer moments, scheduler and step to OUT.
+``load SOCKET OUT``: build the same job on this world size (resharding when it differs), load the
+newest step with ``dcp.load``, write what it holds to OUT, then save one more step (``--then``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from trainer_client.dcp import DaemonReader, DaemonWriter
+
+
+class AppState(Stateful):
+    """The DCP tutorial's wrapper: model and optimizer state as one Stateful leaf."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in model.state_dict().items():
+        out[f"model/{k}"] = v.full_tensor()
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"optim/{pid}/{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+    return out
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    model(torch.randn(16, 24, generator=gen)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+
+
+def main() -> None:
+    mode, sock, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo")
+    model, opt, sched = _job()
+    state = {"app": AppState(model, opt), "sched": sched, "progress": {"step": 0, "tokens": [0, 1.5]}}
+    if mode == "save":
+        writer = DaemonWriter("dcp-job", socket_path=sock)
+        steps = int(sys.argv[4])
+        for step in range(1, steps + 1):
+            _train_step(model, opt, sched, step)
+            state["progress"] = {"step": step, "tokens": [step * 16, 1.5]}
+            if step < steps:
+                dcp.save(state, storage_writer=writer, checkpoint_id=f"checkpoint/step-{step}")
+            else:
+                dcp.async_save(state, storage_writer=writer, checkpoint_id=f"checkpoint/step-{step}").result()
+        writer.wait()
+        writer.close()
+        result = {"full": _full(model, opt), "sched": sched.state_dict(), "progress": state["progress"]}
+    else:
+        reader = DaemonReader("dcp-job", socket_path=sock)
+        dcp.load(state, storage_reader=reader)  # the newest step the whole job can load
+        result = {"full": _full(model, opt), "sched": sched.state_dict(), "progress": state["progress"], "step": reader.step}
+        reader.close()
+        if len(sys.argv) > 4 and sys.argv[4] == "--then":  # the new world saves a step; it must be loadable
+            writer = DaemonWriter("dcp-job", socket_path=sock)
+            nxt = int(state["progress"]["step"]) + 1
+            _train_step(model, opt, sched, nxt)
+            state["progress"] = {"step": nxt, "tokens": [nxt * 16, 1.5]}
+            dcp.save(state, storage_writer=writer, checkpoint_id=nxt)
+            writer.wait()
+            writer.close()
+            result["then"] = _full(model, opt)
+    if dist.get_rank() == 0:
+        torch.save(result, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

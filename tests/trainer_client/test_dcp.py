@@ -1,0 +1,106 @@
+"""torch.distributed.checkpoint through the node daemon (issue 17): ``dcp.save``,
+``dcp.async_save`` and ``dcp.load`` of FSDP2 state with Stateful leaves, a resharding load after
+the world shrank from 4 ranks to 2 — and the new world's own steps restorable beside the old
+world's shards — and the refusals."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._servers import Proc
+from tests.trainer_client._torchrun import torchrun
+
+pytest.importorskip("torch.distributed.fsdp")
+_WORKER = "tests.trainer_client._dcp_worker"
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b) and any("exp_avg" in k for k in a)
+    for key, value in a.items():
+        assert torch.equal(b[key], value), key
+
+
+def test_dcp_save_async_save_and_load_round_trip_fsdp2_state_with_stateful_leaves(
+    tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    start_daemon()
+    sock = str(shm_root / "daemon.sock")
+    torchrun(tmp_path, _WORKER, "save", sock, str(tmp_path / "saved.pt"), "3")
+    torchrun(tmp_path, _WORKER, "load", sock, str(tmp_path / "loaded.pt"))
+    saved, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
+    assert loaded["step"] == 3  # the async_save's step, the newest
+    _same(saved["full"], loaded["full"])
+    assert loaded["sched"] == saved["sched"] and loaded["sched"]["last_epoch"] == 3  # a Stateful leaf
+    assert loaded["progress"] == {"step": 3, "tokens": [48, 1.5]}  # a non-tensor value, stored as JSON
+
+
+def test_a_load_into_half_the_world_reshards_and_the_new_worlds_steps_restore(
+    tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    start_daemon()
+    sock = str(shm_root / "daemon.sock")
+    torchrun(tmp_path, _WORKER, "save", sock, str(tmp_path / "saved.pt"), "2", nproc=4)
+    torchrun(tmp_path, _WORKER, "load", sock, str(tmp_path / "loaded.pt"), "--then", nproc=2)
+    saved, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
+    assert loaded["step"] == 2
+    _same(saved["full"], loaded["full"])  # each of the 2 ranks read the halves of 4 ranks' chunks
+    # step 3 was saved by 2 ranks while the 4-rank world's shards of steps 1-2 are still held: it
+    # is whole by its own layout (before: the old roles made every new step look incomplete)
+    torchrun(tmp_path, _WORKER, "load", sock, str(tmp_path / "again.pt"), nproc=2)
+    again = torch.load(tmp_path / "again.pt")
+    assert again["step"] == 3 and again["progress"]["step"] == 3
+    _same(loaded["then"], again["full"])
+
+
+def test_step_of_reads_the_step_a_checkpoint_id_names() -> None:
+    from trainer_client.dcp import step_of
+
+    assert step_of(7) == 7 and step_of("outputs/checkpoint/step-100") == 100 and step_of("ffplane://job/12", "job") == 12
+    assert step_of(Path("ckpt/step-0040/")) == 40
+    with pytest.raises(ValueError, match="names no step"):
+        step_of("checkpoint/latest")
+    with pytest.raises(ValueError, match="names job 'other'"):
+        step_of("ffplane://other/3", "job")
+
+
+def test_one_process_saves_and_loads_without_a_process_group_and_refuses_a_value_json_cannot_hold(
+    tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer_client.dcp import DaemonReader, DaemonWriter
+
+    durable = tmp_path / "durable"
+    start_daemon("--durable-dir", str(durable), "--durable-every", "1")
+    sock = shm_root / "daemon.sock"
+    writer = DaemonWriter("solo", socket_path=sock)
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    big = torch.arange(4096, dtype=torch.int64)
+    state = {"w": w, "part": big[:8], "cfg": {"lr": 0.1, "betas": (0.9, 0.95), "name": "x"}}
+    dcp.save(state, storage_writer=writer, checkpoint_id=5, no_dist=True)
+    with pytest.raises(CheckpointException, match=r"DCP save of step 6: .*\['bad'\] is a builtins.object; only tensors and JSON"):
+        dcp.save({**state, "bad": object()}, storage_writer=writer, checkpoint_id=6, no_dist=True)
+    writer.wait()
+    writer.close()
+
+    target = {"w": torch.zeros(3, 4), "part": torch.zeros(8, dtype=torch.int64), "cfg": {"lr": 0.0, "betas": (0.0, 0.0), "name": ""}}
+    reader = DaemonReader("solo", socket_path=sock)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    reader.close()
+    assert reader.step == 5 and torch.equal(target["w"], w) and torch.equal(target["part"], big[:8])
+    assert target["cfg"] == {"lr": 0.1, "betas": (0.9, 0.95), "name": "x"}
+
+    # no daemon answering: the same step from the durable tier
+    deadline = time.monotonic() + 30
+    while not list(durable.glob("solo/step-*/*.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    target = {"w": torch.zeros(3, 4), "part": torch.zeros(8, dtype=torch.int64), "cfg": {"lr": 0.0, "betas": (0.0, 0.0), "name": ""}}
+    reader = DaemonReader("solo", socket_path=tmp_path / "no-daemon.sock", durable_dir=durable, timeout_s=5)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert reader.step == 5 and reader.source == "durable" and torch.equal(target["w"], w)

@@ -1,0 +1,496 @@
+"""torch.distributed.checkpoint (DCP) over the node daemon.
+
+``dcp.save(state, storage_writer=DaemonWriter(job), checkpoint_id="step-100")`` (or
+``dcp.async_save``) and ``dcp.load(state, storage_reader=DaemonReader(job))`` keep a DCP
+trainer's checkpoint code and put its checkpoints in the memory tier: each rank's writes become
+that rank's shard of the step (role ``dp<rank>-pp0-tp0`` of a ``dp=world`` layout), committed,
+checksummed, replicated to the next node and copied to the durable tier exactly as a
+``Checkpointer.save``; a step is restorable once every rank of the world that saved it has
+committed, and a load never mixes two run segments.
+
+DCP's planners decide what each rank writes (replicated state once, deduplicated) and reads
+(resharding: a load into another world size or sharding reads the saved chunks that overlap its
+own). So the load side needs every rank's chunk list: the coordinator's writer puts the whole
+step's catalogue (each tensor's dtype, size and chunks, with the rank and key holding each) in
+every rank's shard header — the header's static part, which goes to the daemon only when the
+plan changes. A load reads one shard's header, plans, and pulls only the ranks' shards it reads.
+
+No pickle crosses a process boundary: tensors are bytes in the shard; the non-tensor values DCP
+would ``torch.save`` (step counters, optimizer param groups, scheduler state) are stored as
+JSON, and a value that is not JSON-serialisable is refused naming its key.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import time
+from concurrent.futures import Future as _ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import StorageReader, StorageWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from dataserver.protocol.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
+from statestore.protocol import control as proto
+from statestore.protocol import durable, files
+from statestore.protocol.shard import lineage as lineage_of
+from trainer_client._daemon_client import DaemonClient
+from trainer_client._restore import map_shard, reduce_min
+from trainer_client.checkpointer import Checkpointer, next_lineage
+from trainer_client.razor import Layout, role_name
+from trainer_client.state_codec import StateError, decode, dtype_name, dtype_of, owned
+
+__all__ = ["DaemonReader", "DaemonWriter", "Catalogue", "step_of"]
+
+log = logging.getLogger(__name__)
+SCHEME = "ffplane://"
+CATALOGUE_VERSION = 1
+_lineages: dict[str, int] = {}  # job → the run segment the last load in this process continues
+Catalogue = dict[str, Any]  # the header's "dcp" field: see _catalogue
+_MISSING = object()
+
+
+def step_of(checkpoint_id: str | os.PathLike[str] | int, job: str | None = None) -> int:
+    """The step a DCP ``checkpoint_id`` names: an int, ``ffplane://<job>/<step>``, or any path
+    whose last part ends in the step (``outputs/checkpoint/step-100``, as torchtitan names them)."""
+    if isinstance(checkpoint_id, int):
+        return int(checkpoint_id)
+    text = os.fspath(checkpoint_id).rstrip("/")
+    if text.startswith(SCHEME):
+        named, _, rest = text.removeprefix(SCHEME).partition("/")
+        if job is not None and named != job:
+            raise ValueError(f"checkpoint_id {text!r} names job {named!r}, this storage is for job {job!r}")
+        text = rest
+    found = re.search(r"(\d+)$", text.rsplit("/", 1)[-1])
+    if not found:
+        raise ValueError(
+            f"checkpoint_id {checkpoint_id!r} names no step: pass the step (an int), 'ffplane://<job>/<step>', "
+            "or a path ending in it such as 'checkpoint/step-100'"
+        )
+    return int(found.group(1))
+
+
+def _key(index: MetadataIndex) -> str:
+    return index.fqn if index.offset is None else f"{index.fqn}@{','.join(map(str, index.offset))}"
+
+
+def _catalogue(plans: list[SavePlan]) -> Catalogue:
+    """Every rank's writes of one save: each tensor's dtype, size and chunks (offsets, sizes,
+    writing rank, key in its shard), each non-tensor value's rank and key, DCP's planner data."""
+    tensors: dict[str, dict[str, Any]] = {}
+    values: dict[str, list[Any]] = {}
+    planner_data: dict[str, list[Any]] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                values[fqn] = [rank, _key(item.index)]
+                continue
+            td = item.tensor_data
+            assert td is not None
+            entry = tensors.setdefault(
+                fqn,
+                {
+                    "dtype": dtype_name(td.properties.dtype),
+                    "size": list(td.size),
+                    "requires_grad": td.properties.requires_grad,
+                    "chunks": [],
+                },
+            )
+            entry["chunks"].append([list(td.chunk.offsets), list(td.chunk.sizes), rank, _key(item.index)])
+        if isinstance(plan.planner_data, dict):
+            planner_data.update({str(k): list(v) for k, v in plan.planner_data.items() if isinstance(v, (tuple, list))})
+    return {"version": CATALOGUE_VERSION, "world": len(plans), "tensors": tensors, "values": values, "planner_data": planner_data}
+
+
+def metadata_of(catalogue: Catalogue) -> tuple[Metadata, dict[MetadataIndex, tuple[str, str]]]:
+    """DCP's ``Metadata`` for a catalogue, and where each item lives: (role, key in its shard)."""
+    if catalogue.get("version") != CATALOGUE_VERSION:
+        raise FFPlaneError(f"a DCP catalogue of version {catalogue.get('version')!r}; this ffplane reads version {CATALOGUE_VERSION}")
+    md: dict[str, Any] = {}
+    where: dict[MetadataIndex, tuple[str, str]] = {}
+    for fqn, e in catalogue["tensors"].items():
+        chunks = []
+        for offsets, sizes, rank, key in e["chunks"]:
+            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            where[MetadataIndex(fqn, torch.Size(offsets))] = (role_name(rank, 0, 0), key)
+        props = TensorProperties(dtype=dtype_of(e["dtype"]), requires_grad=bool(e["requires_grad"]))
+        md[fqn] = TensorStorageMetadata(props, torch.Size(e["size"]), chunks)
+    for fqn, (rank, key) in catalogue["values"].items():
+        md[fqn] = BytesStorageMetadata()
+        where[MetadataIndex(fqn)] = (role_name(rank, 0, 0), key)
+    planner_data = {k: tuple(v) for k, v in catalogue.get("planner_data", {}).items()}
+    return Metadata(md, planner_data=planner_data or None, storage_data=where), where
+
+
+def _tight(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a compact copy where it views a much larger storage: the codec saves storages
+    whole, and a chunk narrowed out of a big tensor must not drag the rest along."""
+    t = t.detach()
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size() * 5 // 4 + 4096:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def narrow(t: torch.Tensor, offsets: torch.Size | list[int], sizes: torch.Size | list[int]) -> torch.Tensor:
+    for dim, (off, n) in enumerate(zip(offsets, sizes)):
+        if off != 0 or n != t.shape[dim]:
+            t = t.narrow(dim, off, n)
+    return t
+
+
+class DaemonWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that commits each rank's writes to its node daemon as the step's
+    shard. The step comes from ``checkpoint_id`` (see ``step_of``). ``wait()`` blocks until the
+    last save is committed; ``close()`` when done."""
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        socket_path: str | os.PathLike[str] | None = None,
+        durable_dir: str | os.PathLike[str] | None = None,
+        timeout_s: float = 120.0,
+        copy_threads: int | None = None,
+    ) -> None:
+        self.job = job
+        self.socket_path, self.durable_dir = socket_path, durable_dir
+        self.timeout_s, self.copy_threads = timeout_s, copy_threads
+        self.step: int | None = None
+        self._ckpt: Checkpointer | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.step = step_of(checkpoint_id, self.job)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.step is None:
+            raise ValueError("DaemonWriter needs the step: pass checkpoint_id= to dcp.save (e.g. 'step-100' or 100)")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        catalogue = _catalogue(plans)
+        return [replace(p, storage_data={"rank": i, "world": len(plans), "catalogue": catalogue}) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assert self.step is not None
+        data = plan.storage_data
+        rank, world, catalogue = int(data["rank"]), int(data["world"]), data["catalogue"]
+        ckpt = self._checkpointer(rank, world)
+        items: dict[str, Any] = {}
+        results = []
+        for item in plan.items:
+            key = _key(item.index)
+            if item.type == WriteItemType.BYTE_IO:
+                items[key] = _value_of(planner, item)
+                size = 0
+            else:
+                items[key] = t = _tight(planner.resolve_data(item))  # type: ignore[arg-type]
+                size = t.numel() * t.element_size()
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=[role_name(rank, 0, 0), key]))
+        ckpt.lineage = _lineages.get(self.job, ckpt.lineage)
+        try:
+            ckpt._save(self.step, {"items": items}, header={"dcp": catalogue})
+        except StateError as exc:
+            raise StateError(f"DCP save of step {self.step}: {exc}") from exc
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _checkpointer(self, rank: int, world: int) -> Checkpointer:
+        layout = Layout(dp=world, dp_rank=rank)
+        if self._ckpt is not None and self._ckpt.layout != layout:
+            self._ckpt.close()  # the world changed (elastic): a new layout, new roles
+            self._ckpt = None
+        if self._ckpt is None:
+            self._ckpt = Checkpointer(
+                self.job,
+                layout,
+                private_keys=("items",),  # DCP already writes replicated state once, on one rank
+                socket_path=self.socket_path,
+                durable_dir=self.durable_dir,
+                timeout_s=self.timeout_s,
+                copy_threads=self.copy_threads,
+            )
+        return self._ckpt
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Nothing to write: each rank committed its own shard, and the step is whole (restorable)
+        once every rank's commit is in."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return os.fspath(checkpoint_id).startswith(SCHEME)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"{SCHEME}{self.job}/{self.step}")
+
+    def wait(self) -> None:
+        """Block until this rank's last save is committed (raises if its commit failed)."""
+        if self._ckpt is not None:
+            self._ckpt.wait()
+
+    def close(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+
+
+def _value_of(planner: SavePlanner, item: WriteItem) -> Any:
+    """A non-tensor value as the object itself (stored as JSON), not as DCP's torch.save bytes."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        raise StateError(
+            f"DCP item {item.index.fqn!r} is a non-tensor value and the planner {type(planner).__name__} does not expose "
+            "lookup_object(): ffplane stores such values as JSON, not pickles; use a DefaultSavePlanner subclass"
+        )
+    return lookup(item.index)
+
+
+class DaemonReader(StorageReader):
+    """A DCP ``StorageReader`` over the node daemon (and, with ``durable_dir`` and no daemon
+    answering, over the durable tier). ``checkpoint_id`` picks the step; without one, the newest
+    step the whole job can restore (the ranks agree on it). ``process_group``: the group the
+    ranks agree over (default: the default group, when there is one)."""
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        socket_path: str | os.PathLike[str] | None = None,
+        durable_dir: str | os.PathLike[str] | None = None,
+        timeout_s: float = 120.0,
+        process_group: Any = None,
+    ) -> None:
+        self.job = job
+        self.socket_path = files.socket_path(socket_path)
+        self.durable_dir = Path(durable_dir) if durable_dir else None
+        self.timeout_s = timeout_s
+        self.process_group = process_group
+        self.step: int | None = None
+        self.source = ""
+        self._client: DaemonClient | None = None
+        self._where: dict[MetadataIndex, tuple[str, str]] = {}
+        self._use_daemon = True
+
+    # --- which step ----------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.step = None if checkpoint_id is None else step_of(checkpoint_id, self.job)
+
+    def find(self) -> int | None:
+        """The newest step every rank can load (a collective when there is a process group),
+        or None when the job has none. ``dcp.load`` calls it when no ``checkpoint_id`` is given."""
+        error: FFPlaneError | None = None
+        mine = -1
+        try:
+            reply = self._restorable([], self.step)
+            mine = -1 if reply.step is None else int(reply.step)
+        except FFPlaneError as exc:
+            error = exc
+        ok, low, high = reduce_min(self._group(), [0 if error else 1, mine, -mine])
+        if not ok:
+            raise error or FFPlaneError(f"another rank could not look up job {self.job!r}'s checkpoints; see its log")
+        if -high < 0:
+            return None
+        if low < 0:
+            raise NotFoundError(
+                f"some ranks found no checkpoint of job {self.job!r} while others found step {-high}; is every node's daemon running?"
+            )
+        return low
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        step = self.step if self.step is not None else self.find()
+        if step is None:
+            raise NotFoundError(f"job {self.job!r} has no checkpoint to load (start fresh, or check the daemons and durable_dir)")
+        self.step = step
+        reply = self._restorable([], step)
+        if reply.step != step or not reply.roles:
+            raise NotFoundError(f"step {step} of job {self.job!r} is not restorable here: {reply.message or 'not every rank committed it'}")
+        roles = list(reply.roles)
+        rank = self._rank()
+        mine = role_name(rank, 0, 0)
+        source = mine if mine in roles else roles[rank % len(roles)]  # spread the header reads
+        header = self._shards([source], step)[source]["header"]
+        catalogue = header.get("dcp")
+        if catalogue is None:
+            raise FFPlaneError(
+                f"step {step} of job {self.job!r} was saved by a Checkpointer, not through DCP; restore it with Checkpointer.restore"
+            )
+        metadata, self._where = metadata_of(catalogue)
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self._where:
+            raise FFPlaneError("DaemonReader.read_metadata() was not called before set_up_storage_reader()")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    # --- reading -------------------------------------------------------------------------
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self.step is not None
+        needed = sorted({self._where[item.storage_index][0] for item in plan.items})
+        shards = self._shards(needed, self.step) if needed else {}
+        lineages = {lineage_of(sh["header"]) for sh in shards.values()}
+        if len(lineages) > 1:
+            raise CorruptError(
+                f"step {self.step} of job {self.job!r} mixes shards of two run segments (a rank committed it before the job "
+                "rewound); load an older step (checkpoint_id=...)"
+            )
+        verify = self._verify_async(self.step, [r for r, sh in shards.items() if sh.get("kind") not in (None, "durable")])
+        items = {role: _items(sh) for role, sh in shards.items()}
+        by_item = sorted(plan.items, key=lambda it: self._where[it.storage_index])
+        for item in by_item:
+            role, key = self._where[item.storage_index]
+            value = items[role].get(key, _MISSING)
+            if value is _MISSING:
+                raise CorruptError(f"{role}'s shard of step {self.step} lacks {key!r}, which its catalogue lists")
+            self._read_item(item, value, planner)
+        if verify is not None and not verify.result(timeout=self.timeout_s).intact:
+            raise CorruptError(
+                f"a copy of step {self.step} of job {self.job!r} failed its checksum and was dropped; load again to use another copy"
+            )
+        _lineages[self.job] = next_lineage(min(lineages) if lineages else 0, self.step)
+        self.source = ",".join(sorted({str(sh.get("kind", "")) for sh in shards.values()}))
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_item(self, item: ReadItem, value: Any, planner: LoadPlanner) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(owned(value), buf)  # in this process only: DCP's planner loads values from torch.save bytes
+            buf.seek(0)
+            planner.load_bytes(item, buf)
+            return
+        src = narrow(value, item.storage_offsets, item.lengths)
+        dst = planner.resolve_tensor(item).detach()
+        if dst.shape != src.shape:
+            raise CorruptError(f"{item.storage_index.fqn}: the plan reads {tuple(dst.shape)} from a saved chunk part of {tuple(src.shape)}")
+        with torch.no_grad():
+            dst.copy_(src)
+        planner.commit_tensor(item, dst)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return os.fspath(checkpoint_id).startswith(SCHEME)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # --- the daemon, or the durable tier -------------------------------------------------
+    def _group(self) -> Any:
+        if self.process_group is not None:
+            return self.process_group
+        import torch.distributed as dist
+
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+    def _rank(self) -> int:
+        import torch.distributed as dist
+
+        group = self._group()
+        return dist.get_rank(group) if group is not None else 0
+
+    def _call(self, req: proto.Request) -> Any:
+        if self._client is None:
+            self._client = DaemonClient(self.socket_path, self.timeout_s)
+        try:
+            return self._client.call(req)
+        except FFPlaneError:
+            self.close()
+            raise
+
+    def _restorable(self, roles: list[str], step: int | None) -> proto.RestorableReply:
+        if self._use_daemon:
+            try:
+                return self._ask_daemon(roles, step)
+            except UnavailableError:
+                raise
+            except FFPlaneError as exc:
+                if self.durable_dir is None:
+                    raise
+                log.warning("no daemon answered (%s): reading the durable tier %s", exc, self.durable_dir)
+                self._use_daemon = False
+        assert self.durable_dir is not None
+        found, shards = durable.restorable(self.durable_dir, self.job, None if step is None else step + 1)
+        if step is not None and found != step:
+            return proto.RestorableReply(None, None, {}, f"the durable tier {self.durable_dir} has no whole step {step}")
+        return proto.RestorableReply(
+            found, "durable", {r: {**s, "kind": "durable"} for r, s in shards.items() if r in roles}, None, False, sorted(shards)
+        )
+
+    def _ask_daemon(self, roles: list[str], step: int | None) -> proto.RestorableReply:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                reply: proto.RestorableReply = self._call(proto.Restorable(self.job, False, None, roles, step))
+                return reply
+            except UnavailableError as exc:  # a holder is dying; the coordinator notices within seconds
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("%s", exc, extra={"job": self.job})
+                time.sleep(0.5)
+
+    def _shards(self, roles: list[str], step: int) -> dict[str, dict[str, Any]]:
+        reply = self._restorable(roles, step)
+        missing = sorted(set(roles) - set(reply.shards))
+        if reply.step != step or missing:
+            raise NotFoundError(f"step {step} of job {self.job!r}: no intact copy of {missing or roles} ({reply.message or 'gone'})")
+        return dict(reply.shards)
+
+    def _verify_async(self, step: int, roles: list[str]) -> _ThreadFuture[Any] | None:
+        if not roles or not self._use_daemon:
+            return None  # durable copies were verified when read
+        pool = ThreadPoolExecutor(1)
+        try:
+            return pool.submit(self._call, proto.Verify(self.job, step, roles))
+        finally:
+            pool.shutdown(wait=False)
+
+
+def _items(shard: dict[str, Any]) -> dict[str, Any]:
+    """A DCP shard's items (key → tensor viewing the mapped shard, or JSON value)."""
+    header = shard["header"]
+    mapped = map_shard(shard)
+    storages = []
+    for entry in header["storages"]:
+        if entry["stream"] != "private":
+            raise CorruptError(f"a DCP shard with a razored storage ({shard.get('path')}): not written by DaemonWriter")
+        storages.append(mapped[entry["offset"] : entry["offset"] + entry["nbytes"]])
+    items: dict[str, Any] = decode(header, storages)["items"]
+    return items
