@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dataserver.protocol.errors import FFTimeoutError, TransportError
+from statestore.protocol import files
 from statestore.protocol.control import Request, decode_reply, encode
 
 _COLLECT_AFTER = 32  # unread replies (~100 bytes each) before send() collects the arrived ones
@@ -24,7 +25,10 @@ class DaemonClient:
             self._sock.connect(str(socket_path))
         except OSError as exc:
             self._sock.close()
-            raise TransportError(f"no statestore daemon at {socket_path}: {exc}") from exc
+            raise TransportError(
+                f"no statestore daemon at {socket_path}: {exc.strerror or exc}. Start one on this node "
+                f"(statestore serve --root {Path(socket_path).parent} --dataserver URL) or point {files.SOCKET_ENV} at its socket"
+            ) from exc
         self._file = self._sock.makefile("rb")
         self.root = Path(socket_path).parent
         self._unread: deque[Request] = deque()  # sent with send(), replies read before the next call's

@@ -34,6 +34,7 @@ from trainer_client.state_codec import decode
 log = logging.getLogger(__name__)
 # A rank's outcome of loading the agreed step; the ranks act on the minimum.
 _FAILED, _OLDER, _ANOTHER_COPY, _INTACT = -1, 0, 1, 2
+_warned_alone: list[bool] = []  # the single-process warning, once per process
 _MAX_COPIES_PER_STEP = 8  # each try drops a corrupt copy, so this only bounds a misbehaving daemon
 
 Found = tuple[int, str, dict[str, Any]]  # step, source ("memory" | "durable"), shards by role
@@ -69,6 +70,15 @@ class RestoreAgreement:
 
     def run(self, into: Any, view: bool, group: Any, mesh: Any = None) -> tuple[Restored | None, int]:
         """The agreed step's state (None on a fresh job) and the lineage it continues."""
+        if group is None and len(self.layout.all_roles()) > 1 and not _warned_alone:
+            _warned_alone.append(True)
+            log.warning(
+                "restoring role %s of a %d-role layout in a process outside any torch.distributed group: the ranks cannot agree on "
+                "a step. Launch the job with torchrun (or call init_process_group before restore()), or use Layout() for one process",
+                self.role,
+                len(self.layout.all_roles()),
+                extra={"job": self.job},
+            )
         below: int | None = None
         retries = 0
         while True:
@@ -81,7 +91,7 @@ class RestoreAgreement:
             mine = -1 if found is None else found[0]
             ok, low, high = reduce_min(group, [0 if error else 1, mine, -mine])
             if not ok:
-                raise error or FFPlaneError(f"another rank could not look up its checkpoint of job {self.job!r}; see its log")
+                raise error or FFPlaneError(f"another rank could not look up its checkpoint of job {self.job!r}; see that rank's log")
             if -high < 0:  # no rank found anything
                 if below is not None:  # there were versions, and every one failed its checksum
                     raise CorruptError(

@@ -19,6 +19,7 @@ from statestore.protocol import files
 from trainer_client._sources import DaemonSource, HttpSource, Step
 from trainer_client.batches import Batch, StepBytes
 from trainer_client.events import emit, events_on
+from trainer_client.state_codec import LOADER_KIND
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,14 @@ class DataLoader:
     batch before it is yielded. With no daemon on the node (or when it stops answering and does
     not come back within ``reconnect_s``), batches come straight from the data server.
 
-    ``state_dict()`` after receiving the batch of step ``s`` records ``next_step = s + 1``: save
-    it with the model after the optimizer step and a restored run continues with byte-identical
-    batches.
+    A step is an optimizer step: with ``micro_batches=k`` (gradient accumulation) each step's
+    batch comes as ``k`` micro-batches, its rows split as evenly as they go, so the job's
+    ``max_steps`` counts optimizer steps.
+
+    ``state_dict()`` is the position: the step the loader continues at. Saved with step ``s``
+    through ``Checkpointer.save(s, ...)``, it is bound to that step — the restored run continues
+    at ``s + 1`` even when the loop had already fetched the next step's batch (nanoGPT fetches
+    it before ``optimizer.step()``) — and a position that does not follow ``s`` is refused.
     """
 
     def __init__(
@@ -53,7 +59,11 @@ class DataLoader:
         timeout_s: float = 120.0,
         reconnect_s: float = 5.0,
         http_window: int = 4,
+        micro_batches: int = 1,
     ) -> None:
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches=}")
+        self.micro_batches = micro_batches
         if dp_rank < 0:
             raise ValueError(f"dp_rank must be >= 0, got {dp_rank=}")
         if start_step < 0:
@@ -197,7 +207,8 @@ class DataLoader:
                 emit("batch", step=step, digest=xxhash.xxh3_64_hexdigest(step_bytes.buffer))  # the chaos soak's exactly-once check
             self._next_step = step + 1
             self._prefetch(step + 1)
-            yield self.transform(out) if self.transform else out
+            for part in _split(out, self.micro_batches):
+                yield self.transform(part) if self.transform else part
 
     def __len__(self) -> int:
         if self.end_step is None:
@@ -209,7 +220,8 @@ class DataLoader:
         return self._next_step
 
     def state_dict(self) -> dict[str, Any]:
-        return {"job": self.job, "dp_rank": self.dp_rank, "next_step": self._next_step}
+        """The position; ``kind`` lets ``Checkpointer.save`` bind it to the saved step."""
+        return {"kind": LOADER_KIND, "job": self.job, "dp_rank": self.dp_rank, "next_step": self._next_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state["next_step"]``; refuses a state saved for another job or dp rank."""
@@ -235,3 +247,19 @@ class DataLoader:
             if src is not None:
                 src.close()
         self._source = None
+
+
+def _split(batch: Any, k: int) -> list[Any]:
+    """``batch``'s rows in ``k`` consecutive parts (views; sizes differ by at most one row)."""
+    if k == 1:
+        return [batch]
+    if not isinstance(batch, dict):
+        raise TypeError(f"micro_batches={k} splits a batch of columns; got a {type(batch).__name__}")
+    rows = {len(v) for v in batch.values()}
+    if len(rows) != 1:
+        raise ValueError(f"the batch's columns have different lengths {sorted(rows)}; cannot split it into micro-batches")
+    n = rows.pop()
+    if n < k:
+        raise ValueError(f"a step of {n} rows cannot be split into micro_batches={k}")
+    bounds = [n * i // k for i in range(k + 1)]
+    return [{name: col[bounds[i] : bounds[i + 1]] for name, col in batch.items()} for i in range(k)]

@@ -65,7 +65,7 @@ from trainer_client._daemon_client import DaemonClient
 from trainer_client._restore import map_shard, reduce_min
 from trainer_client.checkpointer import Checkpointer, next_lineage
 from trainer_client.razor import Layout, role_name
-from trainer_client.state_codec import StateError, decode, dtype_name, dtype_of, owned
+from trainer_client.state_codec import LOADER_KIND, StateError, bind_position, decode, dtype_name, dtype_of, owned
 
 __all__ = ["DaemonReader", "DaemonWriter", "Catalogue", "step_of"]
 
@@ -217,6 +217,7 @@ class DaemonWriter(StorageWriter):
                 items[key] = t = _tight(planner.resolve_data(item))  # type: ignore[arg-type]
                 size = t.numel() * t.element_size()
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=[role_name(rank, 0, 0), key]))
+        _bind_loaders(items, self.step)
         ckpt.lineage = _lineages.get(self.job, ckpt.lineage)
         try:
             ckpt._save(self.step, {"items": items}, header={"dcp": catalogue})
@@ -263,6 +264,17 @@ class DaemonWriter(StorageWriter):
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
+
+
+def _bind_loaders(items: dict[str, Any], step: int) -> None:
+    """DCP flattens a DataLoader's position into ``<prefix>.kind`` and ``<prefix>.next_step``
+    values: bind it to the saved step as ``Checkpointer.save`` does (``bind_position``)."""
+    for key, value in list(items.items()):
+        if key.endswith("kind") and value == LOADER_KIND:
+            prefix = key[: -len("kind")]
+            if prefix + "next_step" in items:
+                bound = bind_position({"next_step": items[prefix + "next_step"]}, step, (prefix.rstrip("."),))
+                items[prefix + "next_step"] = bound["next_step"]
 
 
 def _value_of(planner: SavePlanner, item: WriteItem) -> Any:

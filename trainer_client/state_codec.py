@@ -33,6 +33,7 @@ _DTYPES = {
 _NAMES = {d: name for name, d in _DTYPES.items()}
 _TENSOR_TAG = "__ffplane_tensor__"
 _STATEFUL_TAG = "__ffplane_stateful__"
+LOADER_KIND = "ffplane.DataLoader"  # a DataLoader's state_dict(): its position, bound to the saved step
 
 
 class StateError(FFPlaneError, TypeError):
@@ -95,6 +96,24 @@ class Encoded:
         }
 
 
+def bind_position(position: dict[str, Any], step: int, path: tuple[str | int, ...] = ()) -> dict[str, Any]:
+    """A DataLoader position saved with ``step``: the one that resumes at ``step + 1``.
+
+    A loop that fetches the next batch before ``optimizer.step()`` (nanoGPT does) saves step
+    ``s`` with the loader already at ``s + 2``; restored as is, the run would silently skip a
+    batch. Any other position means the loop numbers its steps unlike the job's plan (the batch
+    of step ``s`` is the loader's step ``s``), and binding it would skip or repeat batches.
+    """
+    at = position.get("next_step")
+    if at not in (step + 1, step + 2):
+        raise StateError(
+            f"state{_key(path)}: a DataLoader at next_step={at} saved with step {step}; it must be at {step + 1} (or {step + 2}, "
+            "the next batch fetched early). Number save() steps like the loader's (the batch of step s is the loader's step s, "
+            "e.g. step = loader.next_step - 1 right after the batch is taken)"
+        )
+    return {**position, "next_step": step + 1}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The name a header gives ``dtype`` (StateError for a dtype ffplane cannot save)."""
     name = _NAMES.get(dtype)
@@ -115,8 +134,9 @@ def _key(path: tuple[str | int, ...]) -> str:
     return "".join(f"[{p!r}]" for p in path) or "<root>"
 
 
-def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Encoded | None = None) -> Encoded:
-    """Walk ``state``; top-level keys in ``private_keys`` go to the private stream.
+def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Encoded | None = None, step: int | None = None) -> Encoded:
+    """Walk ``state``; top-level keys in ``private_keys`` go to the private stream. With ``step``
+    (the step being saved), a DataLoader's position is bound to it (``bind_position``).
 
     ``previous``: the last encode of the same training state, whose uint8 views of storages
     that are still there are reused (a save encodes the same tensors every step). Safe by
@@ -131,6 +151,8 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Enc
                 return {_TENSOR_TAG: dtensor(node, path, stream)}
             return {_TENSOR_TAG: tensor(node, path, stream)}
         if isinstance(node, dict):
+            if step is not None and node.get("kind") == LOADER_KIND:
+                node = bind_position(node, step, path)
             out = {}
             for k, v in node.items():
                 if not isinstance(k, (str, int)) or isinstance(k, bool):

@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from tests._servers import TOKEN, Proc, until
 from tests.conftest import create_job
-from trainer_client import DataLoader, NotFoundError, TransportError
+from trainer_client import DataLoader, NotFoundError, StateError, TransportError
 
 JOB_STEPS = -(-3 * 300 // 16)  # three epochs of 300 samples, dp=2 x batch 8 per step
 
@@ -80,7 +81,7 @@ def test_state_dict_round_trip_and_errors(dataserver: Proc) -> None:
     for _ in range(7):
         next(it)
     state = loader.state_dict()
-    assert state == {"job": "j1", "dp_rank": 1, "next_step": 7}
+    assert state == {"kind": "ffplane.DataLoader", "job": "j1", "dp_rank": 1, "next_step": 7}
     resumed = DataLoader("j1", 1, dataserver=dataserver.url, token=TOKEN, socket_path="/nonexistent.sock")
     resumed.load_state_dict(state)
     assert torch.equal(next(iter(resumed))["tokens"], next(it)["tokens"])
@@ -90,6 +91,45 @@ def test_state_dict_round_trip_and_errors(dataserver: Proc) -> None:
         DataLoader("nope", 0, dataserver=dataserver.url, token=TOKEN)
     with pytest.raises(TransportError, match="no statestore daemon"):
         next(iter(DataLoader("j1", 0, socket_path="/nonexistent.sock", end_step=1, reconnect_s=0)))
+
+
+def test_nanogpt_loop_resumes_at_the_batch_after_the_saved_step_and_micro_batches_split_each_step(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    """nanoGPT takes the next batch before optimizer.step(); the position saved with step s then
+    already pointed past s + 1 and the resumed run silently skipped a batch. Now the position is
+    bound to the saved step. Gradient accumulation: a step's batch comes as k micro-batches."""
+    from trainer_client import Checkpointer
+
+    create_job(dataserver, max_steps=8)
+    start_daemon()
+    sock = shm_root / "daemon.sock"
+
+    def loader(**kw: Any) -> DataLoader:
+        return DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=sock, **kw)
+
+    whole = [b["tokens"].clone() for b in loader()]
+    ckpt = Checkpointer("j1", socket_path=sock)
+    accumulating = loader(micro_batches=2)
+    it = iter(accumulating)
+    first = next(it)  # nanoGPT: the first batch before the loop
+    seen: list[torch.Tensor] = []
+    for step in range(3):
+        for _micro in range(2):
+            seen.append(first["tokens"].clone())
+            first = next(it)  # the next micro-batch — at the last one, the next step's — before optimizer.step()
+        ckpt.save(step, {"w": torch.zeros(2), "loader": accumulating.state_dict()})
+    ckpt.wait()
+    assert torch.equal(torch.cat(seen[:2]), whole[0]) and torch.equal(torch.cat(seen[4:6]), whole[2])  # 2 micro-batches per step
+
+    restored = ckpt.restore()
+    assert restored is not None and restored.step == 2 and restored.state["loader"]["next_step"] == 3  # not 4: bound to the step
+    resumed = loader()
+    resumed.load_state_dict(restored.state["loader"])
+    assert torch.equal(next(iter(resumed))["tokens"], whole[3])
+    with pytest.raises(StateError, match=r"DataLoader at next_step=9 saved with step 3; it must be at 4"):
+        ckpt.save(3, {"loader": {**restored.state["loader"], "next_step": 9}})
+    ckpt.close()
 
 
 def _reader(out: Path, dataserver: Proc, sock: Path, rank: int = 0) -> subprocess.Popen[bytes]:

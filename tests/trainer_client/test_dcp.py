@@ -82,7 +82,8 @@ def test_one_process_saves_and_loads_without_a_process_group_and_refuses_a_value
     writer = DaemonWriter("solo", socket_path=sock)
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     big = torch.arange(4096, dtype=torch.int64)
-    state = {"w": w, "part": big[:8], "cfg": {"lr": 0.1, "betas": (0.9, 0.95), "name": "x"}}
+    position = {"kind": "ffplane.DataLoader", "job": "solo", "dp_rank": 0, "next_step": 7}  # the next batch taken early
+    state = {"w": w, "part": big[:8], "cfg": {"lr": 0.1, "betas": (0.9, 0.95), "name": "x"}, "loader": position}
     dcp.save(state, storage_writer=writer, checkpoint_id=5, no_dist=True)
     with pytest.raises(CheckpointException, match=r"DCP save of step 6: .*\['bad'\] is a builtins.object; only tensors and JSON"):
         dcp.save({**state, "bad": object()}, storage_writer=writer, checkpoint_id=6, no_dist=True)
@@ -90,11 +91,13 @@ def test_one_process_saves_and_loads_without_a_process_group_and_refuses_a_value
     writer.close()
 
     target = {"w": torch.zeros(3, 4), "part": torch.zeros(8, dtype=torch.int64), "cfg": {"lr": 0.0, "betas": (0.0, 0.0), "name": ""}}
+    target["loader"] = {**position, "next_step": 0}
     reader = DaemonReader("solo", socket_path=sock)
     dcp.load(target, storage_reader=reader, no_dist=True)
     reader.close()
     assert reader.step == 5 and torch.equal(target["w"], w) and torch.equal(target["part"], big[:8])
     assert target["cfg"] == {"lr": 0.1, "betas": (0.9, 0.95), "name": "x"}
+    assert target["loader"]["next_step"] == 6  # bound to the saved step 5, as Checkpointer.save binds it
 
     # no daemon answering: the same step from the durable tier
     deadline = time.monotonic() + 30
