@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -166,10 +167,18 @@ def narrow(t: torch.Tensor, offsets: torch.Size | list[int], sizes: torch.Size |
     return t
 
 
-class DaemonWriter(StorageWriter):
+class DaemonWriter(StorageWriter, AsyncStager):
     """A DCP ``StorageWriter`` that commits each rank's writes to its node daemon as the step's
     shard. The step comes from ``checkpoint_id`` (see ``step_of``). ``wait()`` blocks until the
-    last save is committed; ``close()`` when done."""
+    last save is committed; ``close()`` when done.
+
+    It is also ``dcp.async_save``'s stager: the blocking part of an async save is one copy of the
+    state into staging tensors allocated on the first save and reused (DCP's default stager
+    allocates them afresh every save). So wait for an async save's future before the next one,
+    as DCP trainers do: the next save's staging overwrites the previous one's.
+    """
+
+    _synchronize_after_execute = False
 
     def __init__(
         self,
@@ -185,10 +194,26 @@ class DaemonWriter(StorageWriter):
         self.timeout_s, self.copy_threads = timeout_s, copy_threads
         self.step: int | None = None
         self._ckpt: Checkpointer | None = None
+        self._staging: dict[str, Any] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.step = step_of(checkpoint_id, self.job)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` copied into this writer's staging tensors (``dcp.async_save``'s blocking part)."""
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self._staging is not None:
+            try:
+                return _copy_state_dict(state_dict, self._staging)
+            except (KeyError, RuntimeError, ValueError, TypeError, AssertionError):
+                self._staging = None  # the state's structure or shapes changed: stage anew
+        self._staging = _create_cpu_state_dict(state_dict)
+        return _copy_state_dict(state_dict, self._staging)
+
+    def synchronize_staging(self) -> None:
+        """The copies in ``stage`` are synchronous: nothing to wait for."""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.step is None:
@@ -264,6 +289,7 @@ class DaemonWriter(StorageWriter):
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
+        self._staging = None
 
 
 def _bind_loaders(items: dict[str, Any], step: int) -> None:
