@@ -141,7 +141,24 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--out", type=Path, default=Path("ffplane-demo"), help="where demo.json and the PNGs go")
     demo.add_argument("--steps", type=int, default=40)
     demo.add_argument("--keep", action="store_true", help="keep the work folder (logs, events)")
+    exp = sub.add_parser(
+        "export", help="a step saved through DCP as a plain DCP checkpoint directory (+ model.safetensors), readable without ffplane"
+    )
+    exp.add_argument("job")
+    exp.add_argument("step", type=int)
+    exp.add_argument("directory", type=Path)
+    exp.add_argument(
+        "--socket", type=Path, default=None, help="the node daemon's socket (default: $FFPLANE_DAEMON_SOCKET or /dev/shm/ffplane)"
+    )
+    exp.add_argument("--durable-dir", type=Path, default=None, help="read the durable tier here when no daemon answers")
+    exp.add_argument("--model-key", default="model", help="the state key whose tensors go to model.safetensors")
     args = ap.parse_args(argv)
+    if args.command == "export":
+        from trainer_client.export import export
+
+        done = export(args.job, args.step, args.directory, socket_path=args.socket, durable_dir=args.durable_dir, model_key=args.model_key)
+        print(f"step {done.step} of {args.job}: {done.items} items in {done.directory}, {done.model_tensors} tensors in model.safetensors")
+        return 0
     work = Path(tempfile.mkdtemp(prefix="ffplane-demo-"))
     d = Demo(work, args.out, args.steps)
     old = signal.signal(signal.SIGINT, signal.default_int_handler)

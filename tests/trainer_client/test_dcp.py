@@ -107,3 +107,49 @@ def test_one_process_saves_and_loads_without_a_process_group_and_refuses_a_value
     reader = DaemonReader("solo", socket_path=tmp_path / "no-daemon.sock", durable_dir=durable, timeout_s=5)
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert reader.step == 5 and reader.source == "durable" and torch.equal(target["w"], w)
+
+
+def test_ffplane_export_writes_a_dcp_directory_and_safetensors_that_stock_torch_reads_without_ffplane(
+    tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    from trainer_client.dcp import DaemonWriter
+
+    start_daemon()
+    sock = shm_root / "daemon.sock"
+    model = {"w": torch.randn(64, 32), "b": torch.arange(7, dtype=torch.bfloat16)}
+    writer = DaemonWriter("exp", socket_path=sock)
+    dcp.save({"model": model, "optim": {"m": torch.ones(3)}, "meta": {"step": 4}}, storage_writer=writer, checkpoint_id=4, no_dist=True)
+    writer.wait()
+    writer.close()
+    out = tmp_path / "exported"
+    ffplane = [sys.executable, "-m", "ffplane_harness.demo"]
+    done = subprocess.run(
+        [*ffplane, "export", "exp", "4", str(out), "--socket", str(sock)], capture_output=True, text=True, cwd=Path(__file__).parents[2]
+    )
+    assert done.returncode == 0, done.stderr
+    check = tmp_path / "check.py"
+    check.write_text(
+        "import sys\n"
+        "class NoFFplane:  # as if ffplane were not installed: none of its packages can be imported\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('trainer_client', 'statestore', 'dataserver', 'ffplane_harness'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, NoFFplane())\n"
+        "import torch, torch.distributed.checkpoint as dcp\n"
+        "s = {'model': {'w': torch.zeros(64, 32), 'b': torch.zeros(7, dtype=torch.bfloat16)}, 'optim': {'m': torch.zeros(3)}, 'meta': {'step': 0}}\n"
+        f"dcp.load(s, checkpoint_id={str(out)!r}, no_dist=True)\n"
+        f"torch.save(s, {str(tmp_path / 'stock.pt')!r})\n"
+    )
+    done = subprocess.run([sys.executable, "-I", str(check)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    stock = torch.load(tmp_path / "stock.pt")
+    assert torch.equal(stock["model"]["w"], model["w"]) and torch.equal(stock["model"]["b"], model["b"])
+    assert stock["meta"] == {"step": 4} and torch.equal(stock["optim"]["m"], torch.ones(3))
+    safetensors = pytest.importorskip("safetensors.torch")
+    flat = safetensors.load_file(str(out / "model.safetensors"))
+    assert set(flat) == {"w", "b"} and torch.equal(flat["w"], model["w"]) and torch.equal(flat["b"], model["b"])

@@ -1,0 +1,138 @@
+"""``ffplane export JOB STEP DIR``: a step saved through DCP, as a plain DCP checkpoint directory
+that stock ``torch.distributed.checkpoint`` reads without ffplane, plus ``model.safetensors``
+with the whole tensors under the ``model`` key (every tensor when there is none).
+
+The shards come from the node daemon (which pulls what is not local) or, with ``durable_dir``
+and no daemon, from the durable tier. The directory is written by DCP's own
+``FileSystemWriter``, so its format is DCP's.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from dataserver.protocol.errors import FFPlaneError
+from trainer_client.dcp import DaemonReader, _items, metadata_of, narrow
+
+__all__ = ["Exported", "export"]
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+
+
+@dataclass
+class Exported:
+    directory: Path
+    step: int
+    items: int  # chunks and values written
+    model_tensors: int  # tensors in model.safetensors
+
+
+class _Values:
+    """The planner ``FileSystemWriter.write_data`` asks for each item's data."""
+
+    def __init__(self, values: dict[MetadataIndex, Any]) -> None:
+        self.values = values
+
+    def resolve_data(self, item: WriteItem) -> torch.Tensor | io.BytesIO:
+        value = self.values[item.index]
+        if item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(value, buf)  # DCP's own format for non-tensor values, in the user's directory
+            buf.seek(0)
+            return buf
+        return value.clone()  # its own storage: a view would drag the whole mapped shard into the file
+
+
+def export(
+    job: str,
+    step: int,
+    directory: str | os.PathLike[str],
+    *,
+    socket_path: str | os.PathLike[str] | None = None,
+    durable_dir: str | os.PathLike[str] | None = None,
+    model_key: str = "model",
+) -> Exported:
+    out = Path(directory)
+    reader = DaemonReader(job, socket_path=socket_path, durable_dir=durable_dir)
+    try:
+        reply = reader._restorable([], step)
+        if reply.step != step or not reply.roles:
+            raise FFPlaneError(f"step {step} of job {job!r} is not whole anywhere: {reply.message or 'not every rank committed it'}")
+        shards = reader._shards(list(reply.roles), step)
+    finally:
+        reader.close()
+    catalogue = next(iter(shards.values()))["header"].get("dcp")
+    if catalogue is None:
+        raise FFPlaneError(f"step {step} of job {job!r} was saved by a Checkpointer, not through DCP: export covers DCP-saved steps")
+    metadata, where = metadata_of(catalogue)
+    items = {role: _items(sh) for role, sh in shards.items()}
+    values = {index: items[role][key] for index, (role, key) in where.items()}
+    plan = SavePlan(items=[_write_item(index, metadata) for index in where])
+    out.mkdir(parents=True, exist_ok=True)
+    writer = FileSystemWriter(str(out))
+    writer.set_up_storage_writer(True)
+    plan = writer.prepare_global_plan([writer.prepare_local_plan(plan)])[0]
+    results = writer.write_data(plan, _Values(values)).wait()  # type: ignore[arg-type]
+    writer.finish(Metadata(metadata.state_dict_metadata, planner_data=metadata.planner_data), [results])
+    model = _whole_tensors(metadata, values, model_key)
+    _write_safetensors(out / "model.safetensors", model, {"ffplane_job": job, "step": str(step)})
+    return Exported(out, step, len(plan.items), len(model))
+
+
+def _write_item(index: MetadataIndex, metadata: Metadata) -> WriteItem:
+    md = metadata.state_dict_metadata[index.fqn]
+    if not isinstance(md, TensorStorageMetadata):
+        return WriteItem(index=index, type=WriteItemType.BYTE_IO)
+    assert index.offset is not None
+    chunk = next(c for c in md.chunks if c.offsets == index.offset)
+    props = TensorProperties(dtype=md.properties.dtype, requires_grad=md.properties.requires_grad)
+    data = TensorWriteData(chunk=ChunkStorageMetadata(chunk.offsets, chunk.sizes), properties=props, size=md.size)
+    return WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data)
+
+
+def _whole_tensors(metadata: Metadata, values: dict[MetadataIndex, Any], model_key: str) -> dict[str, torch.Tensor]:
+    """Each tensor of the model (fqns under ``model_key``, the key dropped) assembled from its chunks."""
+    tensors = {fqn: md for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    prefix = next((p for p in (f"{model_key}.", f"app.{model_key}.") if any(f.startswith(p) for f in tensors)), "")
+    out = {}
+    for fqn, md in tensors.items():
+        if not fqn.startswith(prefix):
+            continue
+        whole = torch.empty(md.size, dtype=md.properties.dtype)
+        for chunk in md.chunks:
+            narrow(whole, chunk.offsets, chunk.sizes).copy_(values[MetadataIndex(fqn, chunk.offsets)])
+        out[fqn[len(prefix) :]] = whole
+    return out
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """The safetensors format: a little-endian u64 header length, the JSON header, the bytes."""
+    head: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        head[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for t in tensors.values():
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    tmp.replace(path)
