@@ -324,7 +324,8 @@ class SlotStore:
         layouts = Layouts()  # a version's layout names its peers, even those never seen here
         for rs in roles.values():
             for v in rs.versions.values():
-                layouts.add(v.step, layout_roles(v.header, rs.role))
+                # a header naming no layout (a bare control-socket client): every role saving here
+                layouts.add(v.step, layout_roles(v.header, rs.role) if "layout_roles" in v.header else roles)
         for step in whole_steps({r: rs.versions for r, rs in roles.items()}, layouts, below):
             chosen = {r: roles[r].versions[step] for r in layouts.of(step)}
             if not verify:
