@@ -209,18 +209,7 @@ class RestoreAgreement:
 
     def _ask_restorable(self, below: int | None, step: int | None) -> proto.RestorableReply:
         roles = sorted({self.role, *self.layout.dp_peers()})
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                reply: proto.RestorableReply = self.pipeline.call(proto.Restorable(self.job, False, below, roles, step))
-                return reply
-            except UnavailableError as exc:
-                # a node holding a shard we need did not answer — it may be dying, and the
-                # coordinator declares it dead within two seconds; then another copy is chosen
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("%s", exc, extra={"job": self.job, "role": self.role})
-                time.sleep(0.5)
+        return ask_restorable(self.pipeline.call, proto.Restorable(self.job, False, below, roles, step), self.timeout_s, self.role)
 
     def _durable(self) -> Found | None:
         assert self.durable_dir is not None
@@ -229,6 +218,22 @@ class RestoreAgreement:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def ask_restorable(call: Callable[[proto.Request], Any], req: proto.Restorable, timeout_s: float, role: str = "") -> proto.RestorableReply:
+    """The daemon's answer to ``req``, asked again while a node holding a needed shard does not
+    answer (it may be dying: the coordinator declares it dead within two seconds, and then
+    another copy is chosen), for at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            reply: proto.RestorableReply = call(req)
+            return reply
+        except UnavailableError as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("%s", exc, extra={"job": req.job, "role": role})
+            time.sleep(0.5)
 
 
 def reduce_min(group: Any, values: list[int]) -> list[int]:

@@ -26,7 +26,6 @@ import io
 import logging
 import os
 import re
-import time
 from concurrent.futures import Future as _ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -63,7 +62,7 @@ from statestore.protocol import control as proto
 from statestore.protocol import durable, files
 from statestore.protocol.shard import lineage as lineage_of
 from trainer_client._daemon_client import DaemonClient
-from trainer_client._restore import map_shard, reduce_min
+from trainer_client._restore import ask_restorable, map_shard, reduce_min
 from trainer_client.checkpointer import Checkpointer, next_lineage
 from trainer_client.razor import Layout, role_name
 from trainer_client.state_codec import LOADER_KIND, StateError, bind_position, decode, dtype_name, dtype_of, owned
@@ -408,9 +407,8 @@ class DaemonReader(StorageReader):
                 "rewound); load an older step (checkpoint_id=...)"
             )
         verify = self._verify_async(self.step, [r for r, sh in shards.items() if sh.get("kind") not in (None, "durable")])
-        items = {role: _items(sh) for role, sh in shards.items()}
-        by_item = sorted(plan.items, key=lambda it: self._where[it.storage_index])
-        for item in by_item:
+        items = {role: shard_items(sh) for role, sh in shards.items()}
+        for item in plan.items:
             role, key = self._where[item.storage_index]
             value = items[role].get(key, _MISSING)
             if value is _MISSING:
@@ -476,7 +474,7 @@ class DaemonReader(StorageReader):
     def _restorable(self, roles: list[str], step: int | None) -> proto.RestorableReply:
         if self._use_daemon:
             try:
-                return self._ask_daemon(roles, step)
+                return ask_restorable(self._call, proto.Restorable(self.job, False, None, roles, step), self.timeout_s)
             except UnavailableError:
                 raise
             except FFPlaneError as exc:
@@ -492,17 +490,12 @@ class DaemonReader(StorageReader):
             found, "durable", {r: {**s, "kind": "durable"} for r, s in shards.items() if r in roles}, None, False, sorted(shards)
         )
 
-    def _ask_daemon(self, roles: list[str], step: int | None) -> proto.RestorableReply:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                reply: proto.RestorableReply = self._call(proto.Restorable(self.job, False, None, roles, step))
-                return reply
-            except UnavailableError as exc:  # a holder is dying; the coordinator notices within seconds
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("%s", exc, extra={"job": self.job})
-                time.sleep(0.5)
+    def whole_step(self, step: int) -> dict[str, dict[str, Any]]:
+        """Every rank's shard of ``step`` (``ffplane export`` reads them all)."""
+        reply = self._restorable([], step)
+        if reply.step != step or not reply.roles:
+            raise NotFoundError(f"step {step} of job {self.job!r} is not whole anywhere: {reply.message or 'not every rank committed it'}")
+        return self._shards(list(reply.roles), step)
 
     def _shards(self, roles: list[str], step: int) -> dict[str, dict[str, Any]]:
         reply = self._restorable(roles, step)
@@ -521,7 +514,7 @@ class DaemonReader(StorageReader):
             pool.shutdown(wait=False)
 
 
-def _items(shard: dict[str, Any]) -> dict[str, Any]:
+def shard_items(shard: dict[str, Any]) -> dict[str, Any]:
     """A DCP shard's items (key → tensor viewing the mapped shard, or JSON value)."""
     header = shard["header"]
     mapped = map_shard(shard)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dataserver.protocol.errors import FFPlaneError
-from trainer_client.dcp import DaemonReader, _items, metadata_of, narrow
+from trainer_client.dcp import DaemonReader, metadata_of, narrow, shard_items
 
 __all__ = ["Exported", "export"]
 
@@ -70,17 +70,14 @@ def export(
     out = Path(directory)
     reader = DaemonReader(job, socket_path=socket_path, durable_dir=durable_dir)
     try:
-        reply = reader._restorable([], step)
-        if reply.step != step or not reply.roles:
-            raise FFPlaneError(f"step {step} of job {job!r} is not whole anywhere: {reply.message or 'not every rank committed it'}")
-        shards = reader._shards(list(reply.roles), step)
+        shards = reader.whole_step(step)
     finally:
         reader.close()
     catalogue = next(iter(shards.values()))["header"].get("dcp")
     if catalogue is None:
         raise FFPlaneError(f"step {step} of job {job!r} was saved by a Checkpointer, not through DCP: export covers DCP-saved steps")
     metadata, where = metadata_of(catalogue)
-    items = {role: _items(sh) for role, sh in shards.items()}
+    items = {role: shard_items(sh) for role, sh in shards.items()}
     values = {index: items[role][key] for index, (role, key) in where.items()}
     plan = SavePlan(items=[_write_item(index, metadata) for index in where])
     out.mkdir(parents=True, exist_ok=True)

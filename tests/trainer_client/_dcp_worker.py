@@ -17,9 +17,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
+from tests.trainer_client._fsdp2_worker import _job as fsdp2_job
 from trainer_client.dcp import DaemonReader, DaemonWriter
 
 
@@ -38,16 +37,9 @@ class AppState(Stateful):
 
 
 def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    return model, opt, sched
+    """test_fsdp2's job, with an LR scheduler (a Stateful leaf DCP calls for itself)."""
+    model, opt, _ = fsdp2_job()
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
 def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

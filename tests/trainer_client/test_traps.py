@@ -64,3 +64,22 @@ def test_a_grad_scaler_and_autocast_job_resumes_bitwise_with_the_scalers_state(s
 def test_a_worker_without_a_daemon_is_told_how_to_start_one(tmp_path: Path) -> None:
     with pytest.raises(TransportError, match=r"no statestore daemon at .*Start one on this node \(statestore serve --root"):
         Checkpointer("alone", socket_path=tmp_path / "daemon.sock").restore()
+
+
+def test_a_checkpointer_of_another_shape_is_told_to_reshard_through_dcp(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    """A dp 4 job's step, restored by a dp 2 job: before, the razored pieces of two missing peers
+    read as corrupt copies and the job fell back older; now it names both shapes."""
+    from trainer_client import Layout
+    from trainer_client._restore import LayoutError
+
+    start_daemon()
+    sock = shm_root / "daemon.sock"
+    four = [Checkpointer("shape", Layout(dp=4, dp_rank=r), socket_path=sock) for r in range(4)]
+    for ck in four:
+        ck.save(1, {"w": torch.arange(64, dtype=torch.float32)})
+    for ck in four:
+        ck.close()
+    two = Checkpointer("shape", Layout(dp=2, dp_rank=0), socket_path=sock)
+    with pytest.raises(LayoutError, match=r"saved by a job of shape \{'dp': 4, 'pp': 1, 'tp': 1\}, this one is \{'dp': 2"):
+        two.restore()
+    two.close()
