@@ -94,6 +94,7 @@ def main() -> None:
             result["then"] = _full(model, opt)
     if dist.get_rank() == 0:
         torch.save(result, out)
+    dist.barrier()  # no rank tears its process group down while another still writes its result
     dist.destroy_process_group()
 
 
