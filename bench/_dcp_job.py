@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter, StorageWriter
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.futures import Future
 
 from trainer_client import Checkpointer, Layout
 from trainer_client.dcp import DaemonReader, DaemonWriter
@@ -104,7 +104,9 @@ def main() -> None:
                 settle()  # a training step would run here, long enough for the last save to finish
             times.setdefault(name, []).append(_timed(fn))
 
-    record("checkpointer_save_s", lambda: (ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()}), None), settle=ckpt.wait)
+    record(
+        "checkpointer_save_s", lambda: (ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()}), None), settle=ckpt.wait
+    )
     ckpt.wait()
     record("dcp_protocol_floor_s", lambda: dcp.save(state, storage_writer=_NullWriter()))
 
@@ -116,7 +118,11 @@ def main() -> None:
     ckpt.wait()
     record("dcp_ffplane_save_s", lambda: dcp.save(state, storage_writer=writer, checkpoint_id=step), settle=writer.wait)
     cached = DefaultSavePlanner(enable_plan_caching=True)  # a steady-state trainer's plan does not change
-    record("dcp_ffplane_save_cached_plan_s", lambda: dcp.save(state, storage_writer=writer, checkpoint_id=step, planner=cached), settle=writer.wait)
+    record(
+        "dcp_ffplane_save_cached_plan_s",
+        lambda: dcp.save(state, storage_writer=writer, checkpoint_id=step, planner=cached),
+        settle=writer.wait,
+    )
     writer.wait()
     pending: list[Any] = []
     side = dist.new_group(backend="gloo")  # async saves run their collectives on their own group, as DCP asks

@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     checks = {
         "dcp_save_vs_checkpointer_save": {"ratio": ratio(figures["dcp_ffplane_save_s"], base), "target": "<= 1.5"},
         "dcp_save_less_protocol_floor_vs_checkpointer_save": {
-            "ratio": (figures["dcp_ffplane_save_s"]["median"] - figures["dcp_protocol_floor_committing_s"]["median"])
-            / base["median"],
+            "ratio": (figures["dcp_ffplane_save_s"]["median"] - figures["dcp_protocol_floor_committing_s"]["median"]) / base["median"],
             "target": "<= 1.5",
         },
         "dcp_save_cached_plan_vs_checkpointer_save": {"ratio": ratio(figures["dcp_ffplane_save_cached_plan_s"], base), "target": "<= 1.5"},

@@ -55,7 +55,8 @@ class TensorRef:
     stride: list[int]
     storage_offset: int  # in elements
     requires_grad: bool = False
-    # a DTensor's local part: {"placements": [["shard", dim] | ["replicate"] | ["partial", op]],
+    # a DTensor's local part: {"placements": [["shard", dim] | ["strided_shard", dim, split_factor]
+    #   | ["replicate"] | ["partial", op]],
     # "mesh": mesh shape, "shape": global shape, "stride": global stride}
     dtensor: dict[str, Any] | None = None
 
@@ -325,6 +326,8 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def _placement(p: Any) -> list[Any]:
+    if type(p).__name__ == "_StridedShard":  # FSDP2 over tensor parallel: dp shards a tp shard, interleaved
+        return ["strided_shard", int(p.dim), int(p.split_factor)]
     if p.is_shard():
         return ["shard", int(p.dim)]
     if p.is_replicate():
@@ -336,8 +339,15 @@ def _placement(p: Any) -> list[Any]:
 
 def _placements(saved: list[list[Any]]) -> list[Any]:
     from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return [Shard(p[1]) if p[0] == "shard" else Replicate() if p[0] == "replicate" else Partial(p[1]) for p in saved]
+    made = {
+        "shard": lambda p: Shard(p[1]),
+        "strided_shard": lambda p: _StridedShard(p[1], split_factor=p[2]),
+        "replicate": lambda p: Replicate(),
+        "partial": lambda p: Partial(p[1]),
+    }
+    return [made[p[0]](p) for p in saved]
 
 
 def _dtensor_into(saved: dict[str, Any], src: torch.Tensor, target: Any, mesh: Any, path: tuple[str | int, ...], pending: list[Any]) -> Any:

@@ -5,6 +5,7 @@ ffplane's storage, launched by torchrun on CPU/gloo.
 ``dcp.async_save``), and write the full weights, optimizer moments, scheduler and step to OUT.
 ``load SOCKET OUT``: build the same job on this world size (resharding when it differs), load the
 newest step with ``dcp.load``, write what it holds to OUT, then save one more step (``--then``).
+A trailing ``tp=2`` builds the job on a 2-D ``(dp, tp)`` mesh (see ``_fsdp2_worker``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from tests.trainer_client._fsdp2_worker import _job as fsdp2_job
+from tests.trainer_client._fsdp2_worker import split_tp
 from trainer_client.dcp import DaemonReader, DaemonWriter
 
 
@@ -36,9 +38,9 @@ class AppState(Stateful):
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def _job(tp: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """test_fsdp2's job, with an LR scheduler (a Stateful leaf DCP calls for itself)."""
-    model, opt, _ = fsdp2_job()
+    model, opt, _ = fsdp2_job(tp)
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
@@ -52,8 +54,8 @@ def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch
     return out
 
 
-def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
-    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int, tp: int = 1) -> None:
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank() // tp)  # a tp group sees one batch
     model(torch.randn(16, 24, generator=gen)).square().mean().backward()
     opt.step()
     opt.zero_grad()
@@ -61,15 +63,16 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, 
 
 
 def main() -> None:
-    mode, sock, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    argv, tp = split_tp(sys.argv)
+    mode, sock, out = argv[1], argv[2], argv[3]
     dist.init_process_group("gloo")
-    model, opt, sched = _job()
+    model, opt, sched = _job(tp)
     state = {"app": AppState(model, opt), "sched": sched, "progress": {"step": 0, "tokens": [0, 1.5]}}
     if mode == "save":
         writer = DaemonWriter("dcp-job", socket_path=sock)
-        steps = int(sys.argv[4])
+        steps = int(argv[4])
         for step in range(1, steps + 1):
-            _train_step(model, opt, sched, step)
+            _train_step(model, opt, sched, step, tp)
             state["progress"] = {"step": step, "tokens": [step * 16, 1.5]}
             if step < steps:
                 dcp.save(state, storage_writer=writer, checkpoint_id=f"checkpoint/step-{step}")
@@ -83,10 +86,10 @@ def main() -> None:
         dcp.load(state, storage_reader=reader)  # the newest step the whole job can load
         result = {"full": _full(model, opt), "sched": sched.state_dict(), "progress": state["progress"], "step": reader.step}
         reader.close()
-        if len(sys.argv) > 4 and sys.argv[4] == "--then":  # the new world saves a step; it must be loadable
+        if len(argv) > 4 and argv[4] == "--then":  # the new world saves a step; it must be loadable
             writer = DaemonWriter("dcp-job", socket_path=sock)
             nxt = int(state["progress"]["step"]) + 1
-            _train_step(model, opt, sched, nxt)
+            _train_step(model, opt, sched, nxt, tp)
             state["progress"] = {"step": nxt, "tokens": [nxt * 16, 1.5]}
             dcp.save(state, storage_writer=writer, checkpoint_id=nxt)
             writer.wait()

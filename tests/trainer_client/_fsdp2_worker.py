@@ -2,6 +2,7 @@
 
 ``train SOCKET OUT STEPS``: train STEPS optimizer steps, saving the model's and optimizer's
 sharded state after each; write the full weights and optimizer moments at the end to OUT.
+A trailing ``tp=2`` builds the job on a 2-D ``(dp, tp)`` mesh: tensor parallel inside FSDP2.
 ``restore SOCKET OUT``: build the same job, restore the newest step twice — into the live
 sharded state, and as new DTensors on the mesh loaded with ``load_state_dict`` — and write what
 each holds to OUT (``.into`` / ``.mesh``).
@@ -10,24 +11,40 @@ each holds to OUT (``.into`` / ``.mesh``).
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from trainer_client import Checkpointer, Layout
 
 
-def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+def _job(tp: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The MLP sharded by FSDP2 over the world, or with ``tp`` > 1 over a 2-D ``(dp, tp)`` mesh:
+    tensor parallel (column-wise then row-wise) inside each dp group, FSDP2 across them."""
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    if tp == 1:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        dp_mesh = mesh
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        dp_mesh = mesh["dp"]
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh
+
+
+def split_tp(argv: list[str]) -> tuple[list[str], int]:
+    """The arguments without a ``tp=N`` one, and N (1 when absent)."""
+    tp = [int(a[3:]) for a in argv if a.startswith("tp=")]
+    return [a for a in argv if not a.startswith("tp=")], tp[0] if tp else 1
 
 
 def _full(state: dict[str, object]) -> dict[str, torch.Tensor]:
@@ -46,14 +63,15 @@ def _full(state: dict[str, object]) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    mode, sock = sys.argv[1], sys.argv[2]
+    argv, tp = split_tp(sys.argv)
+    mode, sock = argv[1], argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model, opt, mesh = _job()
+    model, opt, mesh = _job(tp)
     ckpt = Checkpointer("fsdp2", Layout.from_mesh(mesh), socket_path=sock)  # the role from the mesh
     if mode == "train":
-        gen = torch.Generator().manual_seed(rank)
-        for step in range(1, int(sys.argv[4]) + 1):
+        gen = torch.Generator().manual_seed(rank // tp)  # a tp group sees the same batch
+        for step in range(1, int(argv[4]) + 1):
             x = torch.randn(16, 24, generator=gen)
             model(x).square().mean().backward()
             opt.step()
@@ -62,7 +80,7 @@ def main() -> None:
         ckpt.wait()
         full = {**_full(model.state_dict()), **_full(opt.state_dict()["state"])}
         if rank == 0:
-            torch.save(full, sys.argv[3])
+            torch.save(full, argv[3])
     else:
         # the live state needs the optimizer's moments to exist: one step of zero gradients
         for p in model.parameters():
@@ -72,14 +90,15 @@ def main() -> None:
         into = ckpt.restore(into=live)
         assert into is not None
         got_into = {**_full(model.state_dict()), **_full(opt.state_dict()["state"])}
-        fresh_model, fresh_opt, _ = _job()
+        fresh_model, fresh_opt, _ = _job(tp)
         again = ckpt.restore(mesh=mesh)
         assert again is not None and again.step == into.step
         fresh_model.load_state_dict(again.state["model"])
         got_mesh = _full(fresh_model.state_dict())
         if rank == 0:
-            torch.save({"step": into.step, "into": got_into, "mesh": got_mesh}, sys.argv[3])
+            torch.save({"step": into.step, "into": got_into, "mesh": got_mesh}, argv[3])
     ckpt.close()
+    dist.barrier()  # no rank tears its process group down while another still writes its result
     dist.destroy_process_group()
 
 

@@ -50,3 +50,32 @@ def test_per_rank_state_saved_as_replicated_is_refused_naming_the_key_and_rng_st
     for rank in draws:  # after the restore every generator draws what it drew after the save
         assert rank[:4] == rank[4:]
     assert draws[0][:4] != draws[1][:4]  # and each rank got its own state back
+
+
+def test_tensor_parallel_inside_fsdp2_on_a_2d_mesh_restores_bitwise_and_dcp_reshards_it_onto_1d(
+    tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    """A (dp=2, tp=2) mesh: column- then row-wise tensor parallel inside each dp group, FSDP2
+    across them, so the first layer's shards are ``_StridedShard`` (FSDP2 splitting a tp shard).
+    Before, ``save()`` refused that placement; a restore onto the mesh that read it as a plain
+    ``Shard`` would have permuted the rows silently."""
+    start_daemon()
+    sock = str(shm_root / "daemon.sock")
+    torchrun(tmp_path, _WORKER, "train", sock, str(tmp_path / "trained.pt"), "3", "tp=2", nproc=4)
+    torchrun(tmp_path, _WORKER, "restore", sock, str(tmp_path / "restored.pt"), "tp=2", nproc=4)
+    trained = torch.load(tmp_path / "trained.pt")
+    restored = torch.load(tmp_path / "restored.pt")
+    assert restored["step"] == 3 and any("exp_avg" in k for k in trained)
+    for key, value in trained.items():
+        assert torch.equal(restored["into"][key], value), key
+    assert set(restored["mesh"]) == {"/0.weight", "/0.bias", "/2.weight", "/2.bias"}
+    for key, value in restored["mesh"].items():
+        assert torch.equal(value, trained[key]), key
+    # DCP: saved on the 2-D mesh by 4 ranks, loaded by 2 ranks of plain FSDP2 (resharded)
+    dcp_worker = "tests.trainer_client._dcp_worker"
+    torchrun(tmp_path, dcp_worker, "save", sock, str(tmp_path / "dcp-saved.pt"), "2", "tp=2", nproc=4)
+    torchrun(tmp_path, dcp_worker, "load", sock, str(tmp_path / "dcp-loaded.pt"), nproc=2)
+    saved, loaded = torch.load(tmp_path / "dcp-saved.pt"), torch.load(tmp_path / "dcp-loaded.pt")
+    assert loaded["step"] == 2 and set(saved["full"]) == set(loaded["full"])
+    for key, value in saved["full"].items():
+        assert torch.equal(loaded["full"][key], value), key
