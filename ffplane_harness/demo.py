@@ -23,17 +23,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ffplane_harness.job_runner import STAGES, LocalJobs
+from ffplane_harness.job_runner import MODELS, STAGES, LocalJobs
 
 
 class Demo(LocalJobs):
-    def __init__(self, work: Path, out: Path, steps: int) -> None:
-        super().__init__(work, steps)
-        self.out = out
+    def __init__(self, work: Path, out: Path, steps: int, model: str = "gpt") -> None:
+        script, self.model_args = MODELS[model]
+        super().__init__(work, steps, script=script)
+        self.script_args = list(self.model_args)
+        self.out, self.model = out, model
 
     def run(self) -> dict[str, Any]:
         t0 = time.time()
-        print("[1/4] failure-free reference run (2 nodes x 2 workers, one torchrun per node)", flush=True)
+        what = " ".join([self.script.name, *self.model_args])
+        print(f"[1/4] failure-free reference run of {what} (2 nodes x 2 workers, one torchrun per node)", flush=True)
         self.wait_done(self.launch_job("reference", [0, 1]))
 
         print("[2/4] the same job; a worker will be SIGKILLed", flush=True)
@@ -70,7 +73,13 @@ class Demo(LocalJobs):
 
         a, b = torch.load(self.work / "demo" / "final.pt"), torch.load(self.work / "reference" / "final.pt")
         bitwise = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        result = {"timelines": [worker, node], "bitwise_equal": bitwise, "steps": self.steps, "seconds": round(time.time() - t0, 1)}
+        result = {
+            "model": self.model,
+            "timelines": [worker, node],
+            "bitwise_equal": bitwise,
+            "steps": self.steps,
+            "seconds": round(time.time() - t0, 1),
+        }
         self._report(result)
         return result
 
@@ -140,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="two nodes, a killed worker, a lost node: timelines and a bitwise check")
     demo.add_argument("--out", type=Path, default=Path("ffplane-demo"), help="where demo.json and the PNGs go")
     demo.add_argument("--steps", type=int, default=40)
+    demo.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="gpt",
+        help="gpt: the GPT under DDP; fsdp2: sharded with fully_shard, saved by the Checkpointer; fsdp2-dcp: the same through dcp.save/load",
+    )
     demo.add_argument("--keep", action="store_true", help="keep the work folder (logs, events)")
     exp = sub.add_parser(
         "export", help="a step saved through DCP as a plain DCP checkpoint directory (+ model.safetensors), readable without ffplane"
@@ -160,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {done.step} of {args.job}: {done.items} items in {done.directory}, {done.model_tensors} tensors in model.safetensors")
         return 0
     work = Path(tempfile.mkdtemp(prefix="ffplane-demo-"))
-    d = Demo(work, args.out, args.steps)
+    d = Demo(work, args.out, args.steps, args.model)
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     old_term = signal.signal(signal.SIGTERM, _interrupted)  # a killed demo still ends its processes
     try:

@@ -19,7 +19,15 @@ from dataserver.protocol.auth import TOKEN_ENV, bearer
 from ffplane_harness.local_cluster import LocalCluster
 from ffplane_harness.torchrun import TorchrunNode
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ffplane.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLE = EXAMPLES / "train_ffplane.py"
+# the example jobs by model: the GPT under DDP, the same GPT sharded with FSDP2 (Checkpointer, or
+# DCP through DaemonWriter/DaemonReader)
+MODELS: dict[str, tuple[Path, list[str]]] = {
+    "gpt": (EXAMPLE, []),
+    "fsdp2": (EXAMPLES / "train_fsdp2.py", []),
+    "fsdp2-dcp": (EXAMPLES / "train_fsdp2.py", ["--checkpoint", "dcp"]),
+}
 STAGES = ("detected", "restarted", "restored", "data_ready", "first_step")
 # inside "restarted → restored", where a worker's start-up goes (ffplane's workers only)
 STARTUP = ("imported", "restoring")

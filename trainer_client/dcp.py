@@ -64,6 +64,7 @@ from statestore.protocol.shard import lineage as lineage_of
 from trainer_client._daemon_client import DaemonClient
 from trainer_client._restore import ask_restorable, map_shard, reduce_min
 from trainer_client.checkpointer import Checkpointer, next_lineage
+from trainer_client.events import emit
 from trainer_client.razor import Layout, role_name
 from trainer_client.state_codec import LOADER_KIND, StateError, bind_position, decode, dtype_name, dtype_of, owned
 
@@ -365,6 +366,7 @@ class DaemonReader(StorageReader):
         return low
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        emit("restoring")
         step = self.step if self.step is not None else self.find()
         if step is None:
             raise NotFoundError(f"job {self.job!r} has no checkpoint to load (start fresh, or check the daemons and durable_dir)")
@@ -420,6 +422,7 @@ class DaemonReader(StorageReader):
             )
         _lineages[self.job] = next_lineage(min(lineages) if lineages else 0, self.step)
         self.source = ",".join(sorted({str(sh.get("kind", "")) for sh in shards.values()}))
+        emit("restored", step=self.step, source=self.source)
         done: Future[None] = Future()
         done.set_result(None)
         return done
