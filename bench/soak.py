@@ -10,6 +10,7 @@ most one lost step each, every batch of the final history the one the failure-fr
 
     python bench/soak.py --failures 200        # the full soak (about an hour here)
     python bench/soak.py --failures 5          # what CI runs (tests/test_soak.py)
+    python bench/soak.py --failures 16 --model fsdp2 --out soak_fsdp2   # the FSDP2 GPT (or fsdp2-dcp)
 
 Writes bench/results/soak.json (failures by kind, recovered, lost steps, data exactly-once,
 bitwise_equal, and every failure's record).
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _faults  # noqa: E402
 from bench._common import RESULTS  # noqa: E402
-from ffplane_harness.job_runner import LocalJobs  # noqa: E402
+from ffplane_harness.job_runner import MODELS, LocalJobs  # noqa: E402
 from ffplane_harness.torchrun import TorchrunNode  # noqa: E402
 from trainer_client.warm_start import descendants  # noqa: E402
 
@@ -57,8 +58,10 @@ JOB, REFERENCE = "soak", "reference"
 
 
 class Soak(LocalJobs):
-    def __init__(self, work: Path, steps: int, seed: int) -> None:
-        super().__init__(work, steps)
+    def __init__(self, work: Path, steps: int, seed: int, model: str = "gpt") -> None:
+        script, script_args = MODELS[model]
+        super().__init__(work, steps, script=script)
+        self.script_args = list(script_args)
         self.max_restarts = 100_000
         self.recovery_timeout_s = 120.0
         self.rng = random.Random(seed)
@@ -364,6 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=0, help="job length (default: 21 per failure + 60)")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt", help="the example job (as ffplane demo --model)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     ap.add_argument("--out", default="soak")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, events)")
@@ -376,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.steps or 21 * args.failures + 60
     )  # 16.7 steps per failure in a 192-failure run of all eight kinds, redundancy awaited between failures
     work = Path(tempfile.mkdtemp(prefix="ffplane-soak-"))
-    soak = Soak(work, steps, args.seed)
+    soak = Soak(work, steps, args.seed, args.model)
     ok = False
     try:
         soak.prepare([REFERENCE, JOB], rows=max(4096, 32 * (steps + 1)))
@@ -388,7 +392,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"work folder kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    result["config"] = {"failures_requested": args.failures, "kinds": list(kinds), "seed": args.seed, "nodes": 2, "workers_per_node": 2}
+    result["config"] = {
+        "failures_requested": args.failures,
+        "kinds": list(kinds),
+        "seed": args.seed,
+        "model": args.model,
+        "nodes": 2,
+        "workers_per_node": 2,
+    }
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / f"{args.out}.json"
     out.write_text(json.dumps(result, indent=1))

@@ -38,7 +38,8 @@ def test_the_demo_recovers_both_failures_bitwise_and_cleans_up(tmp_path: Path) -
     assert set(Path(tempfile.gettempdir()).glob("ffplane-demo-*")) == work_before  # its work folder too
 
 
-@pytest.mark.parametrize("model", ["fsdp2", "fsdp2-dcp"])
+# the Checkpointer's FSDP2 path under failures also runs in the soak (bench/soak.py --model fsdp2)
+@pytest.mark.parametrize("model", [pytest.param("fsdp2", marks=pytest.mark.slow), "fsdp2-dcp"])
 def test_the_fsdp2_gpt_recovers_a_worker_kill_and_a_node_loss_bitwise(tmp_path: Path, model: str) -> None:
     """The GPT sharded with ``fully_shard`` (each rank holds a quarter of the weights and
     moments): saved by the Checkpointer, or by ``dcp.save`` through DaemonWriter and loaded by
