@@ -160,28 +160,8 @@ class RestoreAgreement:
             )
         if me is None:
             raise NotFoundError(f"step {step} has no shard for role {self.role}; roles present: {sorted(shards)}")
-        header = me["header"]
-        mine = map_shard(me)
-        peers = {r: map_shard(shards[r]) for r in self.layout.dp_peers() if r in shards and r != self.role}
-        pieces = [
-            (shards[r]["header"]["piece"], shards[r]["header"]["private_nbytes"], peers.get(r, mine))
-            for r in self.layout.dp_peers()
-            if r in shards
-        ]
-        storages = []
-        lo, hi = header["piece"]
-        private = header["private_nbytes"]
         owned = into is None and not view  # the caller gets tensors that no slot reuse can touch
-        for entry in header["storages"]:
-            off, n = entry["offset"], entry["nbytes"]
-            if entry["stream"] == "private":
-                mapped = mine[off : off + n]
-            elif lo <= off and off + n <= hi:
-                mapped = mine[private + off - lo : private + off - lo + n]
-            else:
-                storages.append(_assemble(off, n, pieces, step))  # already a fresh buffer
-                continue
-            storages.append(mapped.clone() if owned else mapped)
+        header, storages = role_storages(self.role, shards, self.layout.dp_peers(), step, owned)
         return Restored(step, decode(header, storages, into, copy=self.copy, mesh=mesh), source)
 
     def _restorable(self, below: int | None, step: int | None = None) -> Found | None:
@@ -263,6 +243,30 @@ def map_shard(shard: dict[str, Any]) -> torch.Tensor:
     if begin + int(shard["nbytes"]) > size:
         raise CorruptError(f"shard {shard['path']} is shorter than its header says")
     return whole[begin : begin + int(shard["nbytes"])]
+
+
+def role_storages(role: str, shards: dict[str, Any], peers: list[str], step: int, owned: bool) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """``role``'s shard header and its storages: private ones from its own shard, razored ones
+    rebuilt from its dp group's (``peers``) slices. ``owned``: copies no slot reuse can touch."""
+    me = shards[role]
+    header: dict[str, Any] = me["header"]
+    mine = map_shard(me)
+    mapped = {r: map_shard(shards[r]) for r in peers if r in shards and r != role}
+    pieces = [(shards[r]["header"]["piece"], shards[r]["header"]["private_nbytes"], mapped.get(r, mine)) for r in peers if r in shards]
+    storages = []
+    lo, hi = header["piece"]
+    private = header["private_nbytes"]
+    for entry in header["storages"]:
+        off, n = entry["offset"], entry["nbytes"]
+        if entry["stream"] == "private":
+            part = mine[off : off + n]
+        elif lo <= off and off + n <= hi:
+            part = mine[private + off - lo : private + off - lo + n]
+        else:
+            storages.append(_assemble(off, n, pieces, step))  # already a fresh buffer
+            continue
+        storages.append(part.clone() if owned else part)
+    return header, storages
 
 
 def _assemble(off: int, n: int, pieces: list[tuple[list[int], int, torch.Tensor]], step: int) -> torch.Tensor:

@@ -111,7 +111,7 @@ class Checkpointer:
             # per-rank state saved as replicated would come back as another rank's
             check_replicated(state, self.private_keys, self.layout, _group())
         started = time.perf_counter()
-        enc = self._encoded = encode(state, self.private_keys, self._encoded, step)
+        enc = self._encoded = encode(state, self.private_keys, self._encoded, step, self.layout)
         replicated = enc.stream_nbytes["replicated"]
         lo, hi = slice_of(replicated, self.layout.dp, self.layout.dp_rank)
         private = enc.stream_nbytes["private"]

@@ -1,6 +1,12 @@
-"""``ffplane export JOB STEP DIR``: a step saved through DCP, as a plain DCP checkpoint directory
-that stock ``torch.distributed.checkpoint`` reads without ffplane, plus ``model.safetensors``
-with the whole tensors under the ``model`` key (every tensor when there is none).
+"""``ffplane export JOB STEP DIR``: a step, as a plain DCP checkpoint directory that stock
+``torch.distributed.checkpoint`` reads without ffplane, plus ``model.safetensors`` with the
+whole tensors under the ``model`` key (every tensor when there is none).
+
+A step saved through DCP keeps its DCP names and chunks. A step saved by ``Checkpointer.save``
+becomes the state dict one process would have saved: each role's state rebuilt (razored
+storages from its dp group), DTensors assembled whole from every role's local part, and values
+that differ between roles (per-rank RNG state, a loader's ``dp_rank``) kept per role as
+``{role: value}``.
 
 The shards come from the node daemon (which pulls what is not local) or, with ``durable_dir``
 and no daemon, from the durable tier. The directory is written by DCP's own
@@ -13,6 +19,7 @@ import io
 import json
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +30,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dataserver.protocol.errors import FFPlaneError
+from trainer_client._restore import role_storages
 from trainer_client.dcp import DaemonReader, metadata_of, narrow, shard_items
+from trainer_client.razor import Layout
+from trainer_client.state_codec import LocalPart, decode, placements_of
 
 __all__ = ["Exported", "export"]
 
@@ -75,7 +85,7 @@ def export(
         reader.close()
     catalogue = next(iter(shards.values()))["header"].get("dcp")
     if catalogue is None:
-        raise FFPlaneError(f"step {step} of job {job!r} was saved by a Checkpointer, not through DCP: export covers DCP-saved steps")
+        return _export_checkpointer_step(job, step, shards, out, model_key)
     metadata, where = metadata_of(catalogue)
     items = {role: shard_items(sh) for role, sh in shards.items()}
     values = {index: items[role][key] for index, (role, key) in where.items()}
@@ -133,3 +143,84 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: d
         for t in tensors.values():
             f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     tmp.replace(path)
+
+
+def _export_checkpointer_step(job: str, step: int, shards: dict[str, dict[str, Any]], out: Path, model_key: str) -> Exported:
+    import torch.distributed.checkpoint as dcp
+
+    states = {}
+    for role, shard in sorted(shards.items()):
+        saved = shard["header"].get("layout") or {}
+        dp, pp, tp = (int(saved.get(k, 1)) for k in ("dp", "pp", "tp"))
+        layout = Layout(dp, int(saved.get("dp_rank", 0)), pp, int(saved.get("pp_rank", 0)), tp, int(saved.get("tp_rank", 0)))
+        header, storages = role_storages(role, shards, layout.dp_peers(), step, owned=False)
+        states[role] = decode(header, storages, local_parts=True)
+    state = _merge(states, ())
+    out.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # one process, no process group: exactly what no_dist says
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=FileSystemWriter(str(out)), no_dist=True)
+    model = state.get(model_key, state) if isinstance(state, dict) else {}
+    tensors = _flat_tensors(model, "")
+    _write_safetensors(out / "model.safetensors", tensors, {"ffplane_job": job, "step": str(step)})
+    return Exported(out, step, len(_flat_tensors(state, "")), len(tensors))
+
+
+def _merge(by_role: dict[str, Any], path: tuple[str | int, ...]) -> Any:
+    """One state from every role's: dicts by key union, DTensor local parts assembled, equal
+    values once, differing ones as ``{role: value}``."""
+    values = list(by_role.values())
+    if all(isinstance(v, LocalPart) for v in values):
+        return _whole(by_role, path)
+    if all(isinstance(v, dict) for v in values):
+        keys = list(dict.fromkeys(k for v in values for k in v))
+        return {k: _merge({r: v[k] for r, v in by_role.items() if k in v}, (*path, k)) for k in keys}
+    if all(isinstance(v, (list, tuple)) for v in values) and len({len(v) for v in values}) == 1:
+        merged = [_merge({r: v[i] for r, v in by_role.items()}, (*path, i)) for i in range(len(values[0]))]
+        return tuple(merged) if isinstance(values[0], tuple) else merged
+    first = values[0]
+    if all(_same(first, v) for v in values[1:]):
+        return first.clone() if isinstance(first, torch.Tensor) else first
+    return {role: v.clone() if isinstance(v, torch.Tensor) else v for role, v in by_role.items()}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return bool(a == b)
+
+
+def _whole(parts: dict[str, LocalPart], path: tuple[str | int, ...]) -> torch.Tensor:
+    """A DTensor assembled from its local parts: each placed where its mesh coordinate puts it."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    first = next(iter(parts.values()))
+    shape = first.saved["shape"]
+    whole = torch.empty(shape, dtype=first.local.dtype)
+    placed: dict[tuple[int, ...], int] = {}
+    for role, part in parts.items():
+        coord = part.saved.get("coord")
+        if not coord:
+            raise FFPlaneError(
+                f"state{''.join(f'[{k!r}]' for k in path)} of {role} was saved by an ffplane that did not record mesh "
+                "coordinates; restore it and save again to export it"
+            )
+        sizes, offsets = _compute_local_shape_and_global_offset(shape, part.saved["mesh"], coord, placements_of(part.saved["placements"]))
+        if tuple(sizes) != tuple(part.local.shape):
+            raise FFPlaneError(f"{role}'s local part of state{list(path)} has shape {tuple(part.local.shape)}, its placements say {sizes}")
+        narrow(whole, list(offsets), list(sizes)).copy_(part.local)
+        placed[tuple(offsets)] = part.local.numel()
+    if sum(placed.values()) != whole.numel():
+        raise FFPlaneError(f"the saved local parts of state{list(path)} cover {sum(placed.values())} of its {whole.numel()} elements")
+    return whole
+
+
+def _flat_tensors(node: Any, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under ``node`` by dotted name (``layers.0.weight``)."""
+    if isinstance(node, torch.Tensor):
+        return {prefix: node}
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, (list, tuple)) else []
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(_flat_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out

@@ -8,8 +8,12 @@ is saved whole by its owner. A shard is laid out as ``[private bytes][replicated
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+# mesh dimensions whose ranks hold the same state (plain data parallel, HSDP's replicate
+# dimension, an unnamed 1-D mesh): the razor's dp group spans them
+DP_DIMS = frozenset({"", "dp", "dp_replicate", "replicate", "ddp"})
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,9 @@ class Layout:
     pp_rank: int = 0
     tp: int = 1
     tp_rank: int = 0
+    # the names of the mesh's dimensions ("" where unnamed) when the layout came from a mesh
+    # (``from_mesh``): DTensors replicated over its dp dimensions are then razored like plain state
+    mesh_dims: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name, size, rank in (("dp", self.dp, self.dp_rank), ("pp", self.pp, self.pp_rank), ("tp", self.tp, self.tp_rank)):
@@ -42,24 +49,35 @@ class Layout:
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> Layout:
-        """This rank's layout from a torch ``DeviceMesh``: a dimension named ``pp`` is pipeline,
-        ``tp`` tensor parallel, every other one (``dp``, ``dp_shard``, ``dp_replicate``, ``cp``,
-        an unnamed 1-D mesh) counts towards dp, flattened in mesh order."""
+        """This rank's layout from a torch ``DeviceMesh``. Dimensions whose ranks hold the same
+        state (``dp``, ``dp_replicate``, ``replicate``, unnamed) are dp: the razor splits what
+        they replicate. ``pp`` is pipeline. Every other dimension (``tp``, ``dp_shard``, ``cp``,
+        ``ep``...) gives its ranks state of their own and counts towards tp. Flattened in mesh
+        order. So with HSDP each replica group saves 1/``dp_replicate`` of its FSDP shards."""
         names = tuple(mesh.mesh_dim_names or ())
         return layout_of(tuple(mesh.shape), names, tuple(int(mesh.get_local_rank(i)) for i in range(mesh.ndim)))
+
+    def dp_dims_of(self, mesh_dim_names: tuple[str, ...] | None, ndim: int) -> list[int] | None:
+        """Which dimensions of a DTensor's mesh are this layout's dp (its ranks hold the same
+        state), or None when the layout cannot tell: given by hand, or a mesh it does not know."""
+        names = tuple(mesh_dim_names or ("",) * ndim)
+        if self.mesh_dims is None or not set(names) <= set(self.mesh_dims):
+            return None
+        return [i for i, name in enumerate(names) if name in DP_DIMS]
 
 
 def layout_of(shape: tuple[int, ...], names: tuple[str, ...], coords: tuple[int, ...]) -> Layout:
     """The layout of the rank at ``coords`` of a mesh of ``shape`` whose dimensions are ``names``."""
     if names and len(names) != len(shape):
         raise ValueError(f"a mesh of shape {shape} with dimension names {names}")
+    names = names or ("",) * len(shape)
     sizes = {"dp": 1, "pp": 1, "tp": 1}
     ranks = {"dp": 0, "pp": 0, "tp": 0}
     for i, size in enumerate(shape):
-        kind = names[i] if names and names[i] in ("pp", "tp") else "dp"
+        kind = "dp" if names[i] in DP_DIMS else "pp" if names[i] == "pp" else "tp"
         ranks[kind] = ranks[kind] * size + coords[i]
         sizes[kind] *= size
-    return Layout(sizes["dp"], ranks["dp"], sizes["pp"], ranks["pp"], sizes["tp"], ranks["tp"])
+    return Layout(sizes["dp"], ranks["dp"], sizes["pp"], ranks["pp"], sizes["tp"], ranks["tp"], mesh_dims=names)
 
 
 def role_name(dp_rank: int, pp_rank: int, tp_rank: int) -> str:

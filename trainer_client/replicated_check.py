@@ -17,7 +17,7 @@ from trainer_client.razor import Layout
 from trainer_client.state_codec import StateError, encode
 
 
-def key_digests(state: Any, private_keys: frozenset[str]) -> dict[str, int]:
+def key_digests(state: Any, private_keys: frozenset[str], layout: Layout | None = None) -> dict[str, int]:
     """Top-level key → XXH3 of the tensor bytes it would put in the replicated stream. (JSON
     leaves are not compared: each rank's shard header carries its own tree, so they come back
     per rank anyway.)"""
@@ -29,7 +29,7 @@ def key_digests(state: Any, private_keys: frozenset[str]) -> dict[str, int]:
     for key in sorted(str(k) for k in state):
         if key in private_keys:
             continue
-        enc = encode({key: state[key] if key in state else state[int(key)]})
+        enc = encode({key: state[key] if key in state else state[int(key)]}, layout=layout)
         h = xxhash.xxh3_64()
         for entry, source in zip(enc.storages, enc.sources):
             if entry.stream == "replicated":
@@ -44,7 +44,7 @@ def check_replicated(state: Any, private_keys: frozenset[str], layout: Layout, g
         return
     import torch.distributed as dist
 
-    digests = key_digests(state, private_keys)
+    digests = key_digests(state, private_keys, layout)
     keys = sorted(digests)
     mine = torch.tensor([layout.pp_rank, layout.tp_rank, len(keys), *[digests[k] for k in keys]], dtype=torch.int64)
     width = torch.tensor([mine.numel()], dtype=torch.int64)

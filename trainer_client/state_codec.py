@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dataserver.protocol.errors import FFPlaneError
+from trainer_client.razor import Layout
 
 ALIGN = 64  # storage start alignment in the byte stream (cache line; any dtype)
 _DTYPES = {
@@ -57,7 +58,7 @@ class TensorRef:
     requires_grad: bool = False
     # a DTensor's local part: {"placements": [["shard", dim] | ["strided_shard", dim, split_factor]
     #   | ["replicate"] | ["partial", op]],
-    # "mesh": mesh shape, "shape": global shape, "stride": global stride}
+    # "mesh": mesh shape, "coord": this rank's mesh coordinate, "shape": global shape, "stride": global stride}
     dtensor: dict[str, Any] | None = None
 
 
@@ -135,9 +136,17 @@ def _key(path: tuple[str | int, ...]) -> str:
     return "".join(f"[{p!r}]" for p in path) or "<root>"
 
 
-def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Encoded | None = None, step: int | None = None) -> Encoded:
+def encode(
+    state: Any,
+    private_keys: frozenset[str] = frozenset(),
+    previous: Encoded | None = None,
+    step: int | None = None,
+    layout: Layout | None = None,
+) -> Encoded:
     """Walk ``state``; top-level keys in ``private_keys`` go to the private stream. With ``step``
-    (the step being saved), a DataLoader's position is bound to it (``bind_position``).
+    (the step being saved), a DataLoader's position is bound to it (``bind_position``). With a
+    ``layout`` made from a mesh, a DTensor replicated over its dp dimensions (HSDP's replicate
+    dimension; tensor-parallel state under DDP) stays in the replicated stream (see ``dtensor``).
 
     ``previous``: the last encode of the same training state, whose uint8 views of storages
     that are still there are reused (a save encodes the same tensors every step). Safe by
@@ -204,13 +213,20 @@ def encode(state: Any, private_keys: frozenset[str] = frozenset(), previous: Enc
         return len(enc.tensors) - 1
 
     def dtensor(t: Any, path: tuple[str | int, ...], stream: str) -> int:
-        """A DTensor is saved as this rank's local part: private where any mesh dimension shards
-        it (or holds a partial sum), in the key's stream where every dimension replicates it."""
+        """A DTensor is saved as this rank's local part: in the key's stream when every rank of
+        the dp group holds the same local part, else private. The same: replicated over each of
+        its mesh dimensions that ``layout`` counts as dp (a dimension of another kind — tp,
+        dp_shard — separates roles, not dp peers); with no layout from a mesh, over every one."""
         placements = [_placement(p) for p in t.placements]
-        ref = tensor(t.to_local(), path, stream if all(p == ["replicate"] for p in placements) else "private")
+        mesh = t.device_mesh
+        dp_dims = layout.dp_dims_of(mesh.mesh_dim_names, mesh.ndim) if layout is not None else None
+        checked = range(len(placements)) if dp_dims is None else dp_dims
+        same = all(placements[i] == ["replicate"] for i in checked)
+        ref = tensor(t.to_local(), path, stream if same else "private")
         enc.tensors[ref].dtensor = {
             "placements": placements,
             "mesh": list(t.device_mesh.shape),
+            "coord": list(mesh.get_coordinate() or []),  # where the local part sits: ffplane export places it
             "shape": list(t.shape),
             "stride": list(t.stride()),
         }
@@ -226,6 +242,7 @@ def decode(
     into: Any = None,
     copy: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
     mesh: Any = None,
+    local_parts: bool = False,
 ) -> Any:
     """Rebuild the state from ``storages`` (uint8 tensors, one per storage entry).
 
@@ -234,6 +251,7 @@ def decode(
     ``copy`` runs the (destination, source) copies for ``into`` (default: one after another).
     A saved DTensor lands in ``into``'s DTensor (same placements and mesh shape), or, where
     ``into`` has none, becomes a DTensor on ``mesh`` (a ``DeviceMesh`` of the saved shape).
+    ``local_parts``: a saved DTensor comes back as a ``LocalPart`` (no mesh needed: export).
     """
     refs = [TensorRef(**t) for t in header["tensors"]]
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -252,6 +270,8 @@ def decode(
             if _TENSOR_TAG in node:
                 src = view(node[_TENSOR_TAG])
                 saved = refs[node[_TENSOR_TAG]].dtensor
+                if saved is not None and local_parts:
+                    return LocalPart(src, saved)
                 if saved is not None:
                     return _dtensor_into(saved, src, target, mesh, path, pending)
                 if target is None:
@@ -300,6 +320,14 @@ def decode(
     return out
 
 
+@dataclass
+class LocalPart:
+    """A saved DTensor's local part and its ``TensorRef.dtensor`` description."""
+
+    local: torch.Tensor
+    saved: dict[str, Any]
+
+
 def _is_stateful(obj: Any) -> bool:
     return (
         not isinstance(obj, (torch.Tensor, dict, list, tuple))
@@ -337,7 +365,7 @@ def _placement(p: Any) -> list[Any]:
     raise StateError(f"a DTensor placement {p!r} ffplane does not know; save its full_tensor() instead")
 
 
-def _placements(saved: list[list[Any]]) -> list[Any]:
+def placements_of(saved: list[list[Any]]) -> list[Any]:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -378,5 +406,5 @@ def _dtensor_into(saved: dict[str, Any], src: torch.Tensor, target: Any, mesh: A
 
     local = src.clone().to(mesh.device_type) if mesh.device_type != "cpu" else src.clone()
     return DTensor.from_local(
-        local, mesh, _placements(saved["placements"]), run_check=False, shape=torch.Size(saved["shape"]), stride=tuple(saved["stride"])
+        local, mesh, placements_of(saved["placements"]), run_check=False, shape=torch.Size(saved["shape"]), stride=tuple(saved["stride"])
     )

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from tests.trainer_client._fsdp2_worker import _job as fsdp2_job
-from tests.trainer_client._fsdp2_worker import split_tp
+from tests.trainer_client._fsdp2_worker import mesh_args
 from trainer_client.dcp import DaemonReader, DaemonWriter
 
 
@@ -63,7 +63,8 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, 
 
 
 def main() -> None:
-    argv, tp = split_tp(sys.argv)
+    argv, shape = mesh_args(sys.argv)
+    tp = shape.get("tp", 1)
     mode, sock, out = argv[1], argv[2], argv[3]
     dist.init_process_group("gloo")
     model, opt, sched = _job(tp)

@@ -2,7 +2,8 @@
 
 ``train SOCKET OUT STEPS``: train STEPS optimizer steps, saving the model's and optimizer's
 sharded state after each; write the full weights and optimizer moments at the end to OUT.
-A trailing ``tp=2`` builds the job on a 2-D ``(dp, tp)`` mesh: tensor parallel inside FSDP2.
+A trailing ``tp=2`` builds the job on a 2-D ``(dp, tp)`` mesh: tensor parallel inside FSDP2;
+``replicate=2`` on a ``(dp_replicate, dp_shard)`` mesh: HSDP.
 ``restore SOCKET OUT``: build the same job, restore the newest step twice — into the live
 sharded state, and as new DTensors on the mesh loaded with ``load_state_dict`` — and write what
 each holds to OUT (``.into`` / ``.mesh``).
@@ -22,14 +23,17 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from trainer_client import Checkpointer, Layout
 
 
-def _job(tp: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    """The MLP sharded by FSDP2 over the world, or with ``tp`` > 1 over a 2-D ``(dp, tp)`` mesh:
-    tensor parallel (column-wise then row-wise) inside each dp group, FSDP2 across them."""
+def _job(tp: int = 1, replicate: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The MLP sharded by FSDP2 over the world; with ``tp`` > 1 over a 2-D ``(dp, tp)`` mesh
+    (tensor parallel, column-wise then row-wise, inside each dp group, FSDP2 across them); with
+    ``replicate`` > 1 as HSDP: ``replicate`` groups, each sharding the whole state over its ranks."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
-    if tp == 1:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        dp_mesh = mesh
+    world = dist.get_world_size()
+    if replicate > 1:
+        mesh = dp_mesh = init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+    elif tp == 1:
+        mesh = dp_mesh = init_device_mesh("cpu", (world,))
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -41,10 +45,20 @@ def _job(tp: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh
 
 
-def split_tp(argv: list[str]) -> tuple[list[str], int]:
-    """The arguments without a ``tp=N`` one, and N (1 when absent)."""
-    tp = [int(a[3:]) for a in argv if a.startswith("tp=")]
-    return [a for a in argv if not a.startswith("tp=")], tp[0] if tp else 1
+def mesh_args(argv: list[str]) -> tuple[list[str], dict[str, int]]:
+    """The arguments without ``tp=N`` / ``replicate=N`` ones, and those as ``_job``'s keywords."""
+    shape = {a.split("=")[0]: int(a.split("=")[1]) for a in argv if a.startswith(("tp=", "replicate="))}
+    return [a for a in argv if not a.startswith(("tp=", "replicate="))], shape
+
+
+def _local(state: dict[Any, Any]) -> list[torch.Tensor]:
+    out = []
+    for v in state.values():
+        if isinstance(v, dict):
+            out += _local(v)
+        elif isinstance(v, torch.Tensor):
+            out.append(v.to_local() if hasattr(v, "to_local") else v)
+    return out
 
 
 def _full(state: dict[str, object]) -> dict[str, torch.Tensor]:
@@ -63,11 +77,12 @@ def _full(state: dict[str, object]) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    argv, tp = split_tp(sys.argv)
+    argv, shape = mesh_args(sys.argv)
+    tp = shape.get("tp", 1)
     mode, sock = argv[1], argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model, opt, mesh = _job(tp)
+    model, opt, mesh = _job(**shape)
     ckpt = Checkpointer("fsdp2", Layout.from_mesh(mesh), socket_path=sock)  # the role from the mesh
     if mode == "train":
         gen = torch.Generator().manual_seed(rank // tp)  # a tp group sees the same batch
@@ -79,8 +94,10 @@ def main() -> None:
             ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
         ckpt.wait()
         full = {**_full(model.state_dict()), **_full(opt.state_dict()["state"])}
+        local = torch.tensor([sum(t.nbytes for t in _local(model.state_dict()) + _local(opt.state_dict()["state"]))])
+        dist.all_reduce(local)  # what every rank holding its own copy of its local parts would save
         if rank == 0:
-            torch.save(full, argv[3])
+            torch.save({**full, "local_bytes": local}, argv[3])
     else:
         # the live state needs the optimizer's moments to exist: one step of zero gradients
         for p in model.parameters():
@@ -90,7 +107,7 @@ def main() -> None:
         into = ckpt.restore(into=live)
         assert into is not None
         got_into = {**_full(model.state_dict()), **_full(opt.state_dict()["state"])}
-        fresh_model, fresh_opt, _ = _job(tp)
+        fresh_model, fresh_opt, _ = _job(**shape)
         again = ckpt.restore(mesh=mesh)
         assert again is not None and again.step == into.step
         fresh_model.load_state_dict(again.state["model"])

@@ -186,7 +186,9 @@ def test_stateful_leaves_are_saved_by_state_dict_and_loaded_into_the_callers_obj
     [
         ((4,), (), (2,), Layout(dp=4, dp_rank=2)),
         ((2, 2), ("dp", "tp"), (1, 0), Layout(dp=2, dp_rank=1, tp=2, tp_rank=0)),
-        ((2, 3, 2), ("dp_replicate", "dp_shard", "tp"), (1, 2, 1), Layout(dp=6, dp_rank=5, tp=2, tp_rank=1)),
+        # HSDP: the replicate dimension is dp (its ranks hold the same shards), the shard one is not
+        ((2, 3, 2), ("dp_replicate", "dp_shard", "tp"), (1, 2, 1), Layout(dp=2, dp_rank=1, tp=6, tp_rank=5)),
+        ((4,), ("dp_shard",), (3,), Layout(tp=4, tp_rank=3)),
         ((2, 2, 2), ("pp", "dp", "tp"), (1, 0, 1), Layout(dp=2, dp_rank=0, pp=2, pp_rank=1, tp=2, tp_rank=1)),
     ],
 )
