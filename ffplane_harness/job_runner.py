@@ -155,6 +155,9 @@ class LocalJobs:
         if not restored:
             raise RuntimeError(f"no rank restored after the {kind}; logs in {self.work}")
         step = min(e["step"] for e in restored)
+        # a worker SIGKILLed between committing a step and writing its "saved" line leaves that
+        # step restorable with no line before the failure: it was done, none was lost (-1 before)
+        saved_before = max(saved_before, step)
         resumed = min(e["t"] for e in restored)
         first: dict[int, float] = {}
         back: dict[int, float] = {}
