@@ -156,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         help="gpt: the GPT under DDP; fsdp2: sharded with fully_shard, saved by the Checkpointer; fsdp2-dcp: the same through dcp.save/load",
     )
     demo.add_argument("--keep", action="store_true", help="keep the work folder (logs, events)")
-    exp = sub.add_parser(
-        "export", help="a step saved through DCP as a plain DCP checkpoint directory (+ model.safetensors), readable without ffplane"
-    )
+    exp = sub.add_parser("export", help="a saved step as a plain DCP checkpoint directory (+ model.safetensors), readable without ffplane")
     exp.add_argument("job")
     exp.add_argument("step", type=int)
     exp.add_argument("directory", type=Path)

@@ -35,7 +35,7 @@ def _job(tp: int = 1, replicate: int = 1) -> tuple[torch.nn.Module, torch.optim.
     elif tp == 1:
         mesh = dp_mesh = init_device_mesh("cpu", (world,))
     else:
-        mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         dp_mesh = mesh["dp"]
     for layer in model:
