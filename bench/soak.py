@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _faults  # noqa: E402
 from bench._common import RESULTS  # noqa: E402
-from ffplane_harness.job_runner import MODELS, LocalJobs  # noqa: E402
+from ffplane_harness.job_runner import MODELS, LocalJobs, steps_lost  # noqa: E402
 from ffplane_harness.torchrun import TorchrunNode  # noqa: E402
 from trainer_client.warm_start import descendants  # noqa: E402
 
@@ -276,7 +276,7 @@ class Soak(LocalJobs):
                 "recovered": recovered,
                 "saved_before": done_before,
                 "restored_step": restored[0]["step"] if restored else None,
-                "steps_lost": done_before - restored[0]["step"] if restored else 0,
+                "steps_lost": steps_lost(done_before, restored[0]["step"]) if restored else 0,
                 "seconds_to_progress": round(time.time() - failed_at, 2),
             }
             self.records.append(rec)

@@ -155,9 +155,6 @@ class LocalJobs:
         if not restored:
             raise RuntimeError(f"no rank restored after the {kind}; logs in {self.work}")
         step = min(e["step"] for e in restored)
-        # a worker SIGKILLed between committing a step and writing its "saved" line leaves that
-        # step restorable with no line before the failure: it was done, none was lost (-1 before)
-        saved_before = max(saved_before, step)
         resumed = min(e["t"] for e in restored)
         first: dict[int, float] = {}
         back: dict[int, float] = {}
@@ -186,7 +183,7 @@ class LocalJobs:
         return {
             "failure": kind,
             "restored_step": step,
-            "steps_lost": saved_before - step,
+            "steps_lost": steps_lost(saved_before, step),
             "seconds": {k: round(v - failed_at, 3) for k, v in stamps.items()},
         }
 
@@ -209,6 +206,13 @@ class LocalJobs:
         for node in self.nodes:
             node.kill()
         self.cluster.close()
+
+
+def steps_lost(done_before: int, restored_step: int) -> int:
+    """Steps a failure cost: the newest step done before it (by the workers' "saved" lines) less
+    the step restored. A worker SIGKILLed between committing a step and writing its line leaves
+    that step restorable with no line before the failure: none lost, not -1."""
+    return max(0, done_before - restored_step)
 
 
 def _free_port() -> int:

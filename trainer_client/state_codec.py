@@ -225,7 +225,7 @@ def encode(
         ref = tensor(t.to_local(), path, stream if same else "private")
         enc.tensors[ref].dtensor = {
             "placements": placements,
-            "mesh": list(t.device_mesh.shape),
+            "mesh": list(mesh.shape),
             "coord": list(mesh.get_coordinate() or []),  # where the local part sits: ffplane export places it
             "shape": list(t.shape),
             "stride": list(t.stride()),

@@ -1,4 +1,5 @@
-"""Run a test worker module under torchrun on this machine (CPU/gloo), ended by the test."""
+"""Run a test worker module under torchrun on this machine (CPU/gloo), ended by the test, and
+compare what its ranks wrote."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,3 +37,12 @@ def torchrun(tmp_path: Path, module: str, *args: str, nproc: int = 2, timeout_s:
                 proc.wait()
     assert rc == 0, log.read_text()[-3000:]
     return log.read_text()
+
+
+def assert_bitwise(expected: dict[str, Any], got: dict[str, Any]) -> None:
+    """Same keys, every tensor equal bit for bit (the key named on the first that differs)."""
+    import torch
+
+    assert set(got) == set(expected), sorted(set(got) ^ set(expected))
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests._servers import Proc
-from tests.trainer_client._torchrun import torchrun
+from tests.trainer_client._torchrun import assert_bitwise, torchrun
 
 pytest.importorskip("torch.distributed.fsdp")
 _WORKER = "tests.trainer_client._fsdp2_worker"
@@ -28,32 +28,33 @@ def _exports_whole(tmp_path: Path, sock: str, step: int, trained: dict[str, torc
     out = tmp_path / f"exported-{step}"
     export("fsdp2", step, out, socket_path=sock)
     model = load_file(out / "model.safetensors")
-    assert sorted(model) == ["0.bias", "0.weight", "2.bias", "2.weight"]
-    for key, value in model.items():
-        assert torch.equal(value, trained[f"/{key}"]), key
+    assert_bitwise({k: trained[f"/{k}"] for k in ("0.weight", "0.bias", "2.weight", "2.bias")}, model)
     want = {"model": {k: torch.empty_like(v) for k, v in model.items()}, "optim": {"state": {0: {"exp_avg": torch.empty(40, 24)}}}}
     dcp.load(want, checkpoint_id=str(out), no_dist=True)
-    assert all(torch.equal(v, trained[f"/{k}"]) for k, v in want["model"].items())
+    assert_bitwise(model, want["model"])
     assert torch.equal(want["optim"]["state"][0]["exp_avg"], trained["/0/exp_avg"])
+
+
+def _train_restore_export(tmp_path: Path, sock: str, steps: int, *shape: str, nproc: int = 2) -> int:
+    """Train ``steps`` steps saving each, restore the newest twice (into the live shards, onto
+    the mesh) and export it: each bitwise the trained state. The ranks' local bytes."""
+    torchrun(tmp_path, _WORKER, "train", sock, str(tmp_path / "trained.pt"), str(steps), *shape, nproc=nproc)
+    torchrun(tmp_path, _WORKER, "restore", sock, str(tmp_path / "restored.pt"), *shape, nproc=nproc)
+    trained = torch.load(tmp_path / "trained.pt")
+    local_bytes = int(trained.pop("local_bytes"))
+    restored = torch.load(tmp_path / "restored.pt")
+    assert restored["step"] == steps and any("exp_avg" in k for k in trained)
+    assert_bitwise(trained, restored["into"])
+    assert_bitwise({k: trained[k] for k in ("/0.weight", "/0.bias", "/2.weight", "/2.bias")}, restored["mesh"])
+    _exports_whole(tmp_path, sock, steps, trained)
+    return local_bytes
 
 
 def test_fsdp2_state_restores_bitwise_into_the_live_shards_and_onto_the_mesh(
     tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
 ) -> None:
     start_daemon()
-    sock = str(shm_root / "daemon.sock")
-    torchrun(tmp_path, _WORKER, "train", sock, str(tmp_path / "trained.pt"), "4")
-    torchrun(tmp_path, _WORKER, "restore", sock, str(tmp_path / "restored.pt"))
-    trained = torch.load(tmp_path / "trained.pt")
-    trained.pop("local_bytes")
-    restored = torch.load(tmp_path / "restored.pt")
-    assert restored["step"] == 4
-    assert set(restored["into"]) == set(trained) and any("exp_avg" in k for k in trained)
-    for key, value in trained.items():
-        assert torch.equal(restored["into"][key], value), key  # before: save() raised on the DTensors
-    for key, value in restored["mesh"].items():
-        assert torch.equal(value, trained[key]), key
-    _exports_whole(tmp_path, sock, 4, trained)
+    _train_restore_export(tmp_path, str(shm_root / "daemon.sock"), 4)  # before: save() raised on the DTensors
 
 
 def test_per_rank_state_saved_as_replicated_is_refused_naming_the_key_and_rng_state_restores_per_rank(
@@ -83,26 +84,14 @@ def test_tensor_parallel_inside_fsdp2_on_a_2d_mesh_restores_bitwise_and_dcp_resh
     ``Shard`` would have permuted the rows silently."""
     start_daemon()
     sock = str(shm_root / "daemon.sock")
-    torchrun(tmp_path, _WORKER, "train", sock, str(tmp_path / "trained.pt"), "3", "tp=2", nproc=4)
-    torchrun(tmp_path, _WORKER, "restore", sock, str(tmp_path / "restored.pt"), "tp=2", nproc=4)
-    trained = torch.load(tmp_path / "trained.pt")
-    trained.pop("local_bytes")
-    restored = torch.load(tmp_path / "restored.pt")
-    assert restored["step"] == 3 and any("exp_avg" in k for k in trained)
-    for key, value in trained.items():
-        assert torch.equal(restored["into"][key], value), key
-    assert set(restored["mesh"]) == {"/0.weight", "/0.bias", "/2.weight", "/2.bias"}
-    for key, value in restored["mesh"].items():
-        assert torch.equal(value, trained[key]), key
-    _exports_whole(tmp_path, sock, 3, trained)  # _StridedShard parts placed by their mesh coordinates
+    _train_restore_export(tmp_path, sock, 3, "tp=2", nproc=4)  # export places _StridedShard parts by mesh coordinate
     # DCP: saved on the 2-D mesh by 4 ranks, loaded by 2 ranks of plain FSDP2 (resharded)
     dcp_worker = "tests.trainer_client._dcp_worker"
     torchrun(tmp_path, dcp_worker, "save", sock, str(tmp_path / "dcp-saved.pt"), "2", "tp=2", nproc=4)
     torchrun(tmp_path, dcp_worker, "load", sock, str(tmp_path / "dcp-loaded.pt"), nproc=2)
     saved, loaded = torch.load(tmp_path / "dcp-saved.pt"), torch.load(tmp_path / "dcp-loaded.pt")
-    assert loaded["step"] == 2 and set(saved["full"]) == set(loaded["full"])
-    for key, value in saved["full"].items():
-        assert torch.equal(loaded["full"][key], value), key
+    assert loaded["step"] == 2
+    assert_bitwise(saved["full"], loaded["full"])
 
 
 def test_hsdp_saves_each_replica_groups_shards_once_split_over_the_replicas_and_restores_bitwise(
@@ -116,17 +105,7 @@ def test_hsdp_saves_each_replica_groups_shards_once_split_over_the_replicas_and_
 
     daemon = start_daemon()
     sock = str(shm_root / "daemon.sock")
-    torchrun(tmp_path, _WORKER, "train", sock, str(tmp_path / "trained.pt"), "3", "replicate=2", nproc=4)
-    torchrun(tmp_path, _WORKER, "restore", sock, str(tmp_path / "restored.pt"), "replicate=2", nproc=4)
-    trained = torch.load(tmp_path / "trained.pt")
-    local_bytes = int(trained.pop("local_bytes"))
-    restored = torch.load(tmp_path / "restored.pt")
-    assert restored["step"] == 3
-    for key, value in trained.items():
-        assert torch.equal(restored["into"][key], value), key
-    for key, value in restored["mesh"].items():
-        assert torch.equal(value, trained[key]), key
-    _exports_whole(tmp_path, sock, 3, trained)
+    local_bytes = _train_restore_export(tmp_path, sock, 3, "replicate=2", nproc=4)
     with urllib.request.urlopen(f"{daemon.url}/v1/state", timeout=10) as resp:
         roles = [r for r in json.loads(resp.read())["roles"] if r["job"] == "fsdp2"]
     assert sorted(r["role"] for r in roles) == ["dp0-pp0-tp0", "dp0-pp0-tp1", "dp1-pp0-tp0", "dp1-pp0-tp1"]
