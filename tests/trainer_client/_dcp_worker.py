@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from tests.trainer_client._fsdp2_worker import _job as fsdp2_job
 from tests.trainer_client._fsdp2_worker import mesh_args
+from tests.trainer_client._torchrun import exit_worker
 from trainer_client.dcp import DaemonReader, DaemonWriter
 
 
@@ -104,3 +105,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_worker()

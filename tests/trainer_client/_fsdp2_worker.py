@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from tests.trainer_client._torchrun import exit_worker
 from trainer_client import Checkpointer, Layout
 
 
@@ -121,3 +122,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_worker()

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tests.trainer_client._torchrun import exit_worker
 from trainer_client import Checkpointer, Layout, RngState, StateError
 
 
@@ -63,3 +64,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_worker()
