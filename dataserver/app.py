@@ -39,6 +39,7 @@ from dataserver.coordinator import (
     MembershipConflict,
     listen_udp,
 )
+from dataserver.dead_board import DeadBoard
 from dataserver.httpserver import BearerAuth, BodyGuard
 from dataserver.jobs import (
     LAYOUT_LIMIT,
@@ -54,6 +55,7 @@ from dataserver.jobs import (
 )
 from dataserver.planner import Generation
 from dataserver.protocol.auth import load_token
+from dataserver.protocol.etcd import Etcd
 from dataserver.stream import MEDIA_TYPE, StepEncoder, WholeBody, encode_steps
 
 log = logging.getLogger(__name__)
@@ -315,6 +317,9 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         )
         sweeper = asyncio.create_task(sweep(), name="coordinator sweep")
         prober = asyncio.create_task(reprobe(), name="coordinator reprobe")
+        board = None
+        if config.etcd:
+            board = asyncio.create_task(DeadBoard(Etcd(config.etcd), coordinator).run(config.sweep_s), name="dead board")
         udp = None
         if config.heartbeat_udp_port >= 0 and auth.token is not None:
             udp = await listen_udp(coordinator, config.host, config.heartbeat_udp_port)
@@ -323,6 +328,8 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             udp.close()
         sweeper.cancel()
         prober.cancel()
+        if board is not None:
+            board.cancel()
         opener.shutdown(wait=True, cancel_futures=True)
         big_steps.shutdown(wait=True, cancel_futures=True)
         catalog.close()

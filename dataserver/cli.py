@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from dataserver.config import ServeConfig
+from dataserver.protocol.etcd import parse_endpoints
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--dead-after-s", type=float, default=d.dead_after_s, help="declare a node dead after this much silence")
     srv.add_argument("--forget-dead-after-s", type=float, default=d.forget_dead_after_s, help="forget a dead node (and its shard inventory) after this long")  # fmt: skip
     srv.add_argument("--heartbeat-udp-port", type=int, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")  # fmt: skip
+    srv.add_argument("--etcd", default=None, help="etcd members host:port[,host:port...]: publish the nodes declared dead there, for torchrun's --rdzv-backend ffplane")  # fmt: skip
     srv.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -80,9 +82,16 @@ def main(argv: list[str] | None = None) -> int:
         dead_after_s=args.dead_after_s,
         forget_dead_after_s=args.forget_dead_after_s,
         heartbeat_udp_port=args.heartbeat_udp_port,
+        etcd=args.etcd,
         log_level=args.log_level,
     )
     setup_logging(cfg_s.log_level)
+    if cfg_s.etcd is not None:
+        try:
+            parse_endpoints(cfg_s.etcd)
+        except ValueError as exc:
+            print(f"dataserver serve: error: --etcd: {exc}", file=sys.stderr)
+            return 2
     token = load_token(cfg_s.token_file)
     if token is None:
         print("dataserver serve: error: no job token; set FFPLANE_TOKEN or pass --token-file", file=sys.stderr)

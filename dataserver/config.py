@@ -22,6 +22,7 @@ class ServeConfig:
     forget_dead_after_s: float = 600.0  # a dead node is forgotten (with its inventory) after this long
     sweep_s: float = 0.2  # how often silence is checked
     heartbeat_udp_port: int = 0  # UDP heartbeats (daemons learn it from their HTTP heartbeat); 0 any free port, -1 off
+    etcd: str | None = None  # etcd members (host:port,...): publish dead nodes for --rdzv-backend ffplane
     log_level: str = "info"
 
     def resolved_state_dir(self) -> Path:

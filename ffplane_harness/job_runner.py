@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dataserver.protocol.auth import TOKEN_ENV, bearer
+from ffplane_harness.etcd_cluster import EtcdCluster
 from ffplane_harness.local_cluster import LocalCluster
 from ffplane_harness.torchrun import TorchrunNode
 
@@ -46,10 +47,16 @@ class LocalJobs:
         self.max_restarts = 3  # per torchrun agent
         self.script_args: list[str] = []  # besides --job/--out/--steps
         self.warm = True  # restarted workers fork from a zygote with torch imported (warm_start)
+        # set by prepare(rendezvous="ffplane"): torchrun's rendezvous held by etcd, told of dead
+        # nodes by the data server (trainer_client.rendezvous)
+        self.etcd: EtcdCluster | None = None
 
     # --- set-up --------------------------------------------------------------------------
-    def prepare(self, jobs: list[str], daemons: int = 2, dp: int = 4, rows: int = 4096, budget_mb: int = 512) -> None:
-        """A generated token dataset, the data server, ``daemons`` node daemons and ``jobs``."""
+    def prepare(
+        self, jobs: list[str], daemons: int = 2, dp: int = 4, rows: int = 4096, budget_mb: int = 512, rendezvous: str = "c10d"
+    ) -> None:
+        """A generated token dataset, the data server, ``daemons`` node daemons and ``jobs``;
+        ``rendezvous="ffplane"`` also starts a 3-member etcd cluster for torchrun's rendezvous."""
         import numpy as np
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -61,7 +68,11 @@ class LocalJobs:
         pq.write_table(pa.table({"tokens": pa.array(list(table))}), self.work / "tokens.parquet")
         (self.work / "datasets").mkdir()
         ingest(IngestConfig([self.work / "tokens.parquet"], self.work / "datasets" / "tokens", progress=False))
-        self.cluster.start_dataserver()
+        extra: list[str] = []
+        if rendezvous == "ffplane":
+            self.etcd = EtcdCluster(self.work).start()
+            extra = ["--etcd", self.etcd.endpoints]
+        self.cluster.start_dataserver(*extra)
         for _ in range(daemons):
             self.cluster.start_daemon(budget_mb=budget_mb)
         for job in jobs:
@@ -81,8 +92,9 @@ class LocalJobs:
         return result
 
     # --- workers ---------------------------------------------------------------------------
-    def launch(self, job: str, daemon: int, endpoint: str, log_name: str, nnodes: int = 2) -> TorchrunNode:
-        """torchrun for one node of ``job``, its workers using daemon ``daemon``."""
+    def launch(self, job: str, daemon: int, endpoint: str, log_name: str, nnodes: int = 2, prestart: bool = False) -> TorchrunNode:
+        """torchrun for one node of ``job``, its workers using daemon ``daemon`` (``prestart``:
+        its zygote started first, a warm spare)."""
         assert self.cluster.dataserver is not None
         (self.work / job).mkdir(exist_ok=True)
         (self.events_dir / job).mkdir(exist_ok=True)
@@ -104,14 +116,27 @@ class LocalJobs:
             env=env,
             max_restarts=self.max_restarts,
             host=not any(n.running() and n.run_id == job for n in self.nodes),
+            rdzv="ffplane" if self.etcd else "c10d",
             warm_dir=Path(f"/dev/shm/ffw-{os.getpid()}-{len(self.nodes)}") if self.warm else None,  # a new node starts cold
         )
+        if prestart and node.warm_dir is not None:
+            node.prestart()
         self.nodes.append(node.start())
         return node
 
     def launch_job(self, job: str, daemons: list[int]) -> list[TorchrunNode]:
-        endpoint = f"127.0.0.1:{_free_port()}"
+        endpoint = self.etcd.endpoints if self.etcd else f"127.0.0.1:{_free_port()}"
         return [self.launch(job, d, endpoint, job, nnodes=len(daemons)) for d in daemons]
+
+    def launch_spare(self, job: str, daemon: int, nodes: list[TorchrunNode]) -> TorchrunNode:
+        """A warm spare for the running ``nodes`` of ``job``: its zygote started, its agent
+        waiting beyond ``--nnodes`` (torch's redundancy list) to take a lost node's place."""
+        assert self.etcd is not None, "warm spares wait in the ffplane rendezvous: prepare(rendezvous='ffplane')"
+        return self.launch(job, daemon, nodes[0].endpoint, job, nnodes=nodes[0].nnodes, prestart=True)
+
+    def node_of(self, nodes: list[TorchrunNode], name: str) -> TorchrunNode:
+        """The running torchrun of node ``name`` (``n<daemon>``) among ``nodes``."""
+        return next(n for n in nodes if n.env.get("FFPLANE_NODE") == name and n.running())
 
     def saved_steps(self, since: float, job: str | None = None, until: float = float("inf")) -> dict[int, int]:
         """rank → newest step it saved (of ``job``) between ``since`` and ``until``."""
@@ -206,6 +231,8 @@ class LocalJobs:
         for node in self.nodes:
             node.kill()
         self.cluster.close()
+        if self.etcd is not None:
+            self.etcd.close()
 
 
 def steps_lost(done_before: int, restored_step: int) -> int:

@@ -6,13 +6,14 @@ and every worker it started). The environment a restartable job needs is ``train
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer_client.launch import FRESH_STORE_ENV
-from trainer_client.warm_start import kill_tree, stop
+from trainer_client.warm_start import kill_tree, stop, zygotes
 
 
 @dataclass
@@ -29,6 +30,9 @@ class TorchrunNode:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     host: bool = False
+    # "c10d": torch's, its store on the ``host`` agent; "ffplane": trainer_client.rendezvous, the
+    # endpoint naming the etcd members
+    rdzv: str = "c10d"
     max_restarts: int = 3
     # Restarted workers fork from a zygote that has torch imported (trainer_client.warm_start),
     # which keeps its socket here: one folder per node, so a replacement node starts cold.
@@ -39,6 +43,8 @@ class TorchrunNode:
         # keep-alive 1 s x 2: a lost agent leaves the rendezvous in ~2 s instead of 15 s, so the
         # survivors' next round is not held up waiting for it.
         conf = f"is_host={int(self.host)},keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
+        if self.rdzv == "ffplane":  # the README's line: dead nodes come from the coordinator
+            conf = "keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"
         return [
             sys.executable,
             "-m",
@@ -48,7 +54,7 @@ class TorchrunNode:
             "--nproc-per-node",
             str(self.nproc),
             "--rdzv-backend",
-            "c10d",
+            self.rdzv,
             "--rdzv-endpoint",
             self.endpoint,
             "--rdzv-id",
@@ -74,6 +80,19 @@ class TorchrunNode:
         with open(self.log, "ab") as log:
             self.popen = subprocess.Popen(self.argv(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
+
+    def prestart(self) -> None:
+        """Warm spare: start the node's zygote (torch imported) before its agent joins a round."""
+        assert self.warm_dir is not None, "a warm spare needs warm_dir"
+        self.warm_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, "FFPLANE_WARM_DIR": str(self.warm_dir)}
+        subprocess.run([sys.executable, "-m", "trainer_client.warm_start", "--prestart"], env=env, check=True)
+
+    def freeze(self) -> None:
+        """The node's link died without a reset: the agent, its workers and the zygote stopped
+        (SIGSTOP), so peers see silence, not closed connections. ``kill()`` ends them."""
+        for pid in [*([self.popen.pid] if self.popen else []), *(zygotes(self.warm_dir) if self.warm_dir else [])]:
+            kill_tree(pid, signal.SIGSTOP)
 
     def kill(self) -> None:
         """The node is gone: the agent and its workers SIGKILLed together."""

@@ -72,11 +72,9 @@ def socket_path() -> Path:
     return warm_dir() / f"z-{key}.sock"  # short: a socket path has at most 107 bytes
 
 
-def stop(directory: Path) -> None:
-    """SIGKILL the zygotes of ``directory`` and their children (a node that is gone), and remove
-    the folder."""
-    import shutil
-
+def zygotes(directory: Path) -> list[int]:
+    """The running zygotes of ``directory``."""
+    found = []
     for pidfile in directory.glob("*.pid"):
         try:
             pid = int(pidfile.read_text())
@@ -84,7 +82,17 @@ def stop(directory: Path) -> None:
         except (OSError, ValueError):
             continue  # gone already
         if b"trainer_client.warm_start" in cmdline and str(pidfile.with_suffix(".sock")).encode() in cmdline:
-            kill_tree(pid)
+            found.append(pid)
+    return found
+
+
+def stop(directory: Path) -> None:
+    """SIGKILL the zygotes of ``directory`` and their children (a node that is gone), and remove
+    the folder."""
+    import shutil
+
+    for pid in zygotes(directory):
+        kill_tree(pid)
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -105,11 +113,12 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and everything it started — a node's processes all die at once."""
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """SIGKILL ``pid`` and everything it started — a node's processes all die at once (or send
+    them ``sig``: SIGSTOP freezes a node whose link died without a reset)."""
     for p in [pid, *descendants(pid)]:
         try:
-            os.kill(p, signal.SIGKILL)
+            os.kill(p, sig)
         except ProcessLookupError:
             pass
 
@@ -438,7 +447,20 @@ def serve(path: Path, idle_s: float) -> int:
     return 0
 
 
+def prestart() -> None:
+    """Start this node's zygote now, before any worker runs here (a warm spare node)."""
+    path = socket_path()
+    conn = _connect(path)
+    if conn is not None:
+        conn.close()
+        return
+    _start_zygote(path)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--prestart"]:
+        prestart()
+        sys.exit(0)
     if sys.argv[1:2] == ["--serve"]:
         sys.exit(serve(Path(sys.argv[2]), float(os.environ.get(IDLE_ENV, "600"))))
     sys.exit(main(sys.argv[1:]))

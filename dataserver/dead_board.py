@@ -1,0 +1,52 @@
+"""The coordinator's verdicts, published in etcd for torchrun's rendezvous (``--rdzv-backend
+ffplane``, ``trainer_client.rendezvous``): a key per node declared dead, removed once the node is
+back in the ring. Agents read them to drop a dead peer at once instead of waiting out torch's
+keep-alive (decisions.md, "No single point of failure: etcd holds what outlives a host").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from dataserver.coordinator import Coordinator
+from dataserver.protocol.etcd import DEAD_PREFIX, Etcd, EtcdUnavailable
+
+log = logging.getLogger(__name__)
+
+_REPAIR_S = 5.0  # with nothing changed, etcd is compared with the coordinator this often
+
+
+class DeadBoard:
+    def __init__(self, etcd: Etcd, coordinator: Coordinator) -> None:
+        self._etcd, self._coordinator = etcd, coordinator
+        self._published: set[str] | None = None  # what etcd holds, as far as this process knows
+
+    def _publish(self, dead: set[str], alive: set[str]) -> None:
+        """Blocking: make etcd's keys say ``dead``; a key of a node in ``alive`` goes."""
+        if self._published is None:
+            self._published = {kv.key[len(DEAD_PREFIX) :].decode() for kv in self._etcd.get_prefix(DEAD_PREFIX)}
+        for node in sorted(dead - self._published):
+            self._etcd.put(DEAD_PREFIX + node.encode(), json.dumps({"declared_at": time.time()}).encode())
+            self._published.add(node)
+            log.info("dead node published for the rendezvous", extra={"node": node})
+        for node in sorted(self._published & alive):
+            self._etcd.delete(DEAD_PREFIX + node.encode())
+            self._published.discard(node)
+
+    async def run(self, every_s: float) -> None:
+        """Publish each change of the coordinator's dead set (and repair every few seconds)."""
+        last: tuple[set[str], set[str]] | None = None
+        repaired = 0.0
+        while True:
+            dead, alive = set(self._coordinator.dead()), set(self._coordinator.ring())
+            if (dead, alive) != last or time.monotonic() - repaired > _REPAIR_S:
+                try:
+                    await asyncio.to_thread(self._publish, dead, alive)
+                    last, repaired = (dead, alive), time.monotonic()
+                except (EtcdUnavailable, ValueError) as exc:
+                    self._published = None  # read back what etcd holds once it answers
+                    log.warning("cannot publish dead nodes to etcd; retrying", extra={"error": str(exc)})
+            await asyncio.sleep(every_s)

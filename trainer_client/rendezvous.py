@@ -1,0 +1,298 @@
+"""torchrun's rendezvous on etcd, told of dead nodes by ffplane's coordinator: ``--rdzv-backend ffplane``.
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend ffplane \\
+        --rdzv-endpoint 10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379 --rdzv-id job1 \\
+        --rdzv-conf keep_alive_interval=1,keep_alive_max_attempt=3 train.py
+
+Registered with torch.distributed.elastic through the ``torchrun.handlers`` entry point, so stock
+torchrun loads it. What it changes against ``--rdzv-backend c10d`` (decisions.md, "No single
+point of failure: etcd holds what outlives a host"):
+
+* **The rendezvous state and the agents' store live in etcd**, a cluster run off the training
+  nodes (or on three of them), reached through every member's endpoint: the loss of any training
+  node, the one whose agent was rank 0 included, leaves the rendezvous running. torch's
+  ``c10d`` backend keeps both in a TCPStore on one training node (``is_host``); losing that
+  node ends the job on every survivor.
+* **The workers' store is made afresh by each round's rank 0** (torch's TCPStore sharing is off):
+  a survivor never points its workers at the store of a rank 0 that died.
+* **A node the coordinator declared dead leaves the rendezvous at once.** The data server
+  publishes the nodes it declares dead (``dataserver --etcd``, ~1.6 s after a node falls
+  silent); every agent maps rendezvous members to ffplane node names (``--rdzv-conf node=``,
+  else ``$FFPLANE_NODE``, else the host name, as the daemon's ``--node-id`` defaults). A survivor
+  whose peer is dead then restarts its workers even while they hang in a collective on a link
+  that died without a reset, and the dead member is dropped from the next round without waiting
+  out its keep-alive. Warm spares (agents started beyond ``--nnodes``'s maximum) wait in torch's
+  redundancy list and join that round.
+
+Agents and the data server talk to etcd only; no pickle crosses it that torch did not put there
+(torch's own rendezvous state is a pickle, opaque here, as it is in every torch backend).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+
+from dataserver.protocol.etcd import DEAD_PREFIX, Etcd, EtcdUnavailable, KeyValue
+
+try:  # torch's dynamic rendezvous, private parts included: pinned by pyproject's torch range
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousBackend,
+        RendezvousSettings,
+        RendezvousTimeout,
+        _BackendRendezvousStateHolder,
+        _get_timeout,
+        _remove_participant_epilogue,
+    )
+except ImportError as exc:  # pragma: no cover - a torch outside pyproject's range
+    raise ImportError(f"ffplane's rendezvous needs torch's dynamic rendezvous of torch 2.4-2.14 (redundancy list): {exc}") from exc
+
+log = logging.getLogger(__name__)
+
+BACKEND = "ffplane"
+RDZV_PREFIX = "/ffplane/rdzv/"
+_POLL_S = 0.02  # a store key someone waits for is looked for this often
+_PEEK_RETRY_S = 0.5
+_MIN_ATTEMPTS = 3  # the dead-node check runs in the agent's monitor loop: never hold it up long
+
+
+class EtcdStore(dist.Store):
+    """A c10d store over etcd (the agents' barriers and rank 0's address): string keys under
+    ``prefix``, values as bytes, counters as decimal text."""
+
+    def __init__(self, etcd: Etcd, prefix: str, timeout: timedelta = timedelta(seconds=300)) -> None:
+        super().__init__()  # pybind's trampoline needs it
+        self._etcd = etcd
+        self._prefix = prefix.rstrip("/") + "/"
+        self.set_timeout(timeout)
+
+    def _key(self, key: str | bytes) -> bytes:
+        return self._prefix.encode() + (key.encode() if isinstance(key, str) else key)
+
+    @staticmethod
+    def _bytes(value: str | bytes | list[int]) -> bytes:
+        return value.encode() if isinstance(value, str) else bytes(value)
+
+    def set(self, key: str, value: str | bytes | list[int]) -> None:
+        self._etcd.put(self._key(key), self._bytes(value))
+
+    def get(self, key: str) -> bytes:
+        kv = self._wait_for(key, self.timeout)  # type: ignore[attr-defined]  # c10d.Store.timeout, untyped
+        return kv.value
+
+    def add(self, key: str, num: int) -> int:
+        k = self._key(key)
+        while True:
+            kv = self._etcd.get(k)
+            new = (int(kv.value) if kv else 0) + num
+            written, _ = self._etcd.cas(k, str(new).encode(), kv.mod_revision if kv else 0)
+            if written is not None:
+                return new
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        # TCPStore's rule: a missing key is set only when ``expected`` is empty
+        k, want = self._key(key), self._bytes(expected)
+        while True:
+            kv = self._etcd.get(k)
+            if kv is None and want:
+                return want
+            if kv is not None and kv.value != want:
+                return kv.value
+            written, _ = self._etcd.cas(k, self._bytes(desired), kv.mod_revision if kv else 0)
+            if written is not None:
+                return self._bytes(desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._etcd.get(self._key(k)) is not None for k in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        for key in keys:
+            self._wait_for(key, timeout or self.timeout)  # type: ignore[attr-defined]
+
+    def delete_key(self, key: str) -> bool:
+        return self._etcd.delete(self._key(key))
+
+    def num_keys(self) -> int:
+        return len(self._etcd.get_prefix(self._prefix.encode()))
+
+    def _wait_for(self, key: str, timeout: timedelta) -> KeyValue:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            kv = self._etcd.get(self._key(key))
+            if kv is not None:
+                return kv
+            if time.monotonic() > deadline:
+                raise LookupError(f"key {key!r} did not appear in the rendezvous store ({self._prefix}) within {timeout}")
+            time.sleep(_POLL_S)
+
+
+class EtcdRendezvousBackend(RendezvousBackend):
+    """torch's rendezvous state (an opaque blob) under one etcd key, written by compare-and-set
+    on the key's ``mod_revision``."""
+
+    def __init__(self, etcd: Etcd, run_id: str) -> None:
+        self._etcd = etcd
+        self._key = f"{RDZV_PREFIX}{run_id}/state".encode()
+
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        try:
+            kv = self._etcd.get(self._key)
+        except EtcdUnavailable as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+        return (kv.value, kv.mod_revision) if kv else None
+
+    def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
+        if token is not None and not isinstance(token, int):
+            raise RendezvousStateError(f"a rendezvous token is an etcd revision, not {token!r}")
+        try:
+            written, current = self._etcd.cas(self._key, state, token or 0)
+        except EtcdUnavailable as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+        if written is not None:
+            return state, written, True
+        return (current.value, current.mod_revision, False) if current else None
+
+
+class DeadPeers:
+    """Which rendezvous members ran on a node the coordinator declared dead *after* the member
+    joined (a replacement reusing the node's name is not one of them)."""
+
+    def __init__(self, etcd: Etcd, run_id: str) -> None:
+        self._etcd = etcd
+        self._members = f"{RDZV_PREFIX}{run_id}/members/".encode()
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+
+    def register(self, member: str, node: str) -> None:
+        """Say that rendezvous member ``member`` (torch's node descriptor) runs on ``node``."""
+        self._etcd.put(self._members + member.encode(), node.encode())
+
+    def dead(self) -> set[str]:
+        """Members on dead nodes; empty when etcd does not answer in time (torch's keep-alive
+        still drops them then)."""
+        try:
+            dead = {kv.key[len(DEAD_PREFIX) :].decode(): kv.mod_revision for kv in self._etcd.get_prefix(DEAD_PREFIX, _PEEK_RETRY_S)}
+            if not dead:
+                return set()
+            members = self._etcd.get_prefix(self._members, _PEEK_RETRY_S)
+        except EtcdUnavailable:
+            return set()
+        out = {
+            kv.key[len(self._members) :].decode(): kv.value.decode()
+            for kv in members
+            if kv.value.decode() in dead and dead[kv.value.decode()] > kv.mod_revision
+        }
+        with self._lock:
+            for member in out.keys() - self._said:
+                # logging's last resort prints it in torchrun's output when nothing configured it
+                log.warning(
+                    f"ffplane rendezvous: the coordinator declared node {out[member]} dead; member {member} leaves the rendezvous now"
+                )
+            self._said |= out.keys()
+        return set(out)
+
+
+class _StateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder that also drops members on dead nodes when it syncs."""
+
+    def __init__(self, backend: RendezvousBackend, settings: RendezvousSettings, peers: DeadPeers) -> None:
+        super().__init__(backend, settings, cache_duration=0)
+        self._peers = peers
+
+    def _sanitize(self) -> None:
+        super()._sanitize()
+        state = self._state
+        dead = self._peers.dead()
+        if not dead:
+            return
+        removed = False
+        for node in [n for n in state.last_heartbeats if repr(n) in dead]:
+            del state.last_heartbeats[node]
+            removed = state.participants.pop(node, None) is not None or removed
+            state.wait_list.discard(node)
+            state.redundancy_list.discard(node)
+        if removed:
+            _remove_participant_epilogue(state, self._settings)
+
+
+class FFPlaneRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous whose ``num_nodes_waiting`` counts a dead peer as a node
+    waiting: the agent then restarts its workers for a new round at once."""
+
+    _peers: DeadPeers
+    _ffplane_node: str
+    _round: set[str] = set()  # the members of the round this agent's workers run in
+
+    def next_rendezvous(self) -> Any:
+        self._peers.register(repr(self._this_node), self._ffplane_node)
+        info = super().next_rendezvous()
+        self._round = {repr(n) for n in self._state_holder.state.participants}
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        # the sync inside has dropped a dead member from the shared state already: judge by the
+        # round the workers run in
+        waiting = super().num_nodes_waiting()
+        return waiting + 1 if self._round & self._peers.dead() else waiting
+
+
+def create_handler(params: RendezvousParameters) -> FFPlaneRendezvousHandler:
+    """The handler torchrun builds for ``--rdzv-backend ffplane``; ``--rdzv-endpoint`` lists the
+    etcd members (host:port, comma-separated)."""
+    if not params.endpoint:
+        raise ValueError("--rdzv-backend ffplane needs --rdzv-endpoint host:port[,host:port...] naming the etcd members")
+    # A survivor must not hand its workers the store address of a rank 0 that died: each round's
+    # rank 0 publishes a fresh one (torch's documented opt-out of sharing the agent's TCPStore).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    etcd = Etcd(params.endpoint, timeout_s=1.0, retry_s=float(params.get_as_int("etcd_retry_timeout", 30) or 30))
+    node = str(params.get("node") or os.environ.get("FFPLANE_NODE") or socket.gethostname())
+    timeout = RendezvousTimeout(*(_get_timeout(params, k) for k in ("join", "last_call", "close", "heartbeat")))
+    attempts = params.get_as_int("keep_alive_max_attempt", 3) or 3
+    if attempts < _MIN_ATTEMPTS:
+        # torch's timer skips a beat whenever it fires a hair under one interval after the last
+        # one, so a live agent's heartbeats can be two intervals apart: with 2 attempts it was
+        # dropped as dead (seen here), and the job restarted forever around it
+        log.warning(
+            "keep_alive_max_attempt raised to 3: fewer lets torch drop a live agent; the coordinator drops dead ones at once",
+            extra={"asked": attempts},
+        )
+        attempts = _MIN_ATTEMPTS
+    settings = RendezvousSettings(
+        params.run_id,
+        params.min_nodes,
+        params.max_nodes,
+        timeout,
+        keep_alive_interval=timedelta(seconds=params.get_as_int("keep_alive_interval", 5) or 5),
+        keep_alive_max_attempt=attempts,
+    )
+    peers = DeadPeers(etcd, params.run_id)
+    store = EtcdStore(etcd, f"{RDZV_PREFIX}{params.run_id}/store")
+    holder = _StateHolder(EtcdRendezvousBackend(etcd, params.run_id), settings, peers)
+    handler = FFPlaneRendezvousHandler(
+        FFPlaneRendezvousHandler._node_desc_generator.generate(params.local_addr), settings, BACKEND, store, holder
+    )
+    handler._peers, handler._ffplane_node = peers, node
+    log.info("ffplane rendezvous", extra={"run_id": params.run_id, "etcd": etcd.endpoints, "node": node})
+    return handler
+
+
+def torchrun_handler() -> Any:
+    """The ``torchrun.handlers`` entry point: torch calls it for the creator of handlers."""
+    return create_handler
+
+
+__all__ = ["BACKEND", "DeadPeers", "EtcdRendezvousBackend", "EtcdStore", "FFPlaneRendezvousHandler", "create_handler"]
