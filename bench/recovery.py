@@ -14,6 +14,14 @@ minus the step training resumed from). Then goodput: useful steps per minute ove
 SIGKILLed every ``--goodput-interval`` seconds, over the same system's failure-free run.
 
 Writes bench/results/recovery.json and recovery.png.
+
+    python bench/recovery.py --spare          # ~6 min: the README's --rdzv-backend ffplane line
+
+``--spare``: the job launched with ``--rdzv-backend ffplane`` (etcd, 3 members on loopback; dead
+nodes from the coordinator) and a warm spare node; a node loss, then the loss of the node whose
+agent is rank 0 (under c10d, the node hosting the rendezvous), a new spare after each — beside,
+in the same run, today's c10d node loss (replacement started after the failure) and what c10d
+does when its rendezvous host is lost. Writes bench/results/recovery_spare.json.
 """
 
 from __future__ import annotations
@@ -169,6 +177,116 @@ class System(LocalJobs):
         }
 
 
+class SpareSystem(System):
+    """ffplane launched with ``--rdzv-backend ffplane`` (etcd, the coordinator's dead nodes) and a
+    warm spare node waiting (daemon running, zygote started, agent in torch's redundancy list)."""
+
+    def __init__(self, work: Path, steps: int) -> None:
+        super().__init__(work, steps, None)
+        self.name = "ffplane + spare (etcd rdzv)"
+
+    def active(self, job: str, nodes: list[TorchrunNode], since: float) -> list[TorchrunNode]:
+        """The running nodes whose workers saved since ``since`` (not the waiting spare)."""
+        names = {e["node"] for e in self.events(job) if e["kind"] == "saved" and e["t"] >= since}
+        return [n for n in nodes if n.running() and n.env["FFPLANE_NODE"] in names]
+
+    def spare_mttr(self, repeats: int) -> list[dict[str, Any]]:
+        """One job on 2 nodes + a spare; a node loss (not rank 0's), then the rank-0 node's loss
+        (under c10d, the rendezvous host), ``repeats`` times; a new spare after each."""
+        job = self.new_job()
+        since = time.time()
+        nodes = self.launch_job(job, [0, 1])
+        self.wait_steps(job, nodes, 1, since)
+        nodes.append(self.launch_spare(job, 2, nodes))
+        self.next_daemon = 3
+        out = []
+        for _ in range(repeats):
+            for kind in ("node loss (spare)", "rank-0 node loss (spare)"):
+                recent = time.time()
+                self.wait_steps(job, self.active(job, nodes, since), max(self.saved_steps(since, job).values()) + 6, since)
+                active = self.active(job, nodes, recent)
+                host = next(e["node"] for e in reversed(self.events(job)) if e["kind"] == "saved" and e["rank"] == 0)
+                victim = next(n for n in active if (n.env["FFPLANE_NODE"] == host) == kind.startswith("rank-0"))
+                failed_at = time.time()
+                victim.kill()
+                self.cluster.lose_node(int(victim.env["FFPLANE_NODE"][1:]))
+                saved_before = max(self.saved_steps(since, job, until=failed_at).values())
+                self.wait_steps(job, [n for n in nodes if n.running()], saved_before + 1, failed_at)
+                out.append(self.timeline(kind, failed_at, self.detected(job, failed_at) or failed_at, saved_before, job))
+                print(
+                    f"  {self.name:26s} {kind:24s} first step after {out[-1]['seconds']['first_step']:6.2f} s, lost {out[-1]['steps_lost']}",
+                    flush=True,
+                )
+                new = self.next_daemon  # the next spare: a fresh node
+                self.next_daemon += 1
+                self.cluster.start_daemon(index=new, budget_mb=512)
+                self.until(lambda: f"n{new}" in self.status(job).get("ring", []))
+                nodes.append(self.launch_spare(job, new, nodes))
+        self.finish(nodes)
+        return out
+
+
+def c10d_host_loss(work: Path) -> dict[str, Any]:
+    """Today's launcher line (c10d): the node hosting the rendezvous endpoint is lost; what the
+    survivor's torchrun does."""
+    system = System(work, steps=400, save_every=None)
+    try:
+        system.prepare([], rows=8192)
+        job = system.new_job()
+        since = time.time()
+        nodes = system.launch_job(job, [0, 1])
+        system.wait_steps(job, nodes, 4, since)
+        failed_at = time.time()
+        nodes[0].kill()  # the is_host agent's node
+        system.cluster.lose_node(0)
+        try:
+            rc = nodes[1].wait(60)
+        except Exception:  # noqa: BLE001 - still running after 60 s: it survived after all
+            rc = None
+        log = (work / f"{job}-n1.log").read_text(errors="replace")
+        error = next((line.strip() for line in reversed(log.splitlines()) if "Error" in line), "")
+        return {"survived": rc is None, "survivor_exit": rc, "seconds_to_exit": round(time.time() - failed_at, 2), "error": error[:300]}
+    finally:
+        system.close()
+
+
+def spare_rows(repeats: int) -> dict[str, Any]:
+    """The node-loss-with-spare and rank-0-node-loss rows, beside today's node loss (c10d, a
+    replacement started after the failure) and c10d's rendezvous-host loss, in the same run."""
+    out: dict[str, Any] = {}
+    for cls in (SpareSystem, System):
+        work = Path(tempfile.mkdtemp(prefix="ffplane-recovery-"))
+        steps = 60 + repeats * 2 * 10
+        system = SpareSystem(work, steps) if cls is SpareSystem else System(work, steps, None)
+        print(f"[{system.name}]", flush=True)
+        try:
+            if isinstance(system, SpareSystem):
+                system.prepare([], daemons=3, rows=8192, rendezvous="ffplane")
+                timelines = system.spare_mttr(repeats)
+            else:
+                system.prepare([], rows=8192)
+                timelines = system.mttr(repeats)
+        finally:
+            system.close()
+            shutil.rmtree(work, ignore_errors=True)
+        out[system.name] = {
+            kind: {
+                "mttr_s": _summary([t["seconds"]["first_step"] for t in ts]),
+                "stages_median_s": {s: statistics.median(t["seconds"][s] for t in ts) for s in (*STAGES, "caught_up")},
+                "steps_lost": _summary([t["steps_lost"] for t in ts]),
+                "timelines": ts,
+            }
+            for kind in sorted({t["failure"] for t in timelines})
+            for ts in [[t for t in timelines if t["failure"] == kind]]
+        }
+    work = Path(tempfile.mkdtemp(prefix="ffplane-recovery-"))
+    try:
+        out["c10d rendezvous-host loss"] = c10d_host_loss(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def _summary(samples: list[float]) -> dict[str, Any]:
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples), "samples": samples}
 
@@ -202,8 +320,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--goodput-interval", type=float, default=45.0, help="seconds between worker kills in the goodput run")
     ap.add_argument("--k", default="10,50", help="torch.save every K steps, for each K")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
-    ap.add_argument("--out", default="recovery")
+    ap.add_argument("--out", default=None, help="results name (default recovery, or recovery_spare with --spare)")
+    ap.add_argument(
+        "--spare",
+        action="store_true",
+        help="only the rows of the README's --rdzv-backend ffplane line with a warm spare: node loss, rank-0 node loss; "
+        "beside c10d's node loss and rendezvous-host loss",
+    )
     args = ap.parse_args(argv)
+    if args.spare:
+        return _spare_main(args)
+    args.out = args.out or "recovery"
     sides: list[int | None] = [None, *(int(k) for k in args.k.split(",") if k)]
     results: dict[str, Any] = {}
     pace = None
@@ -238,6 +365,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = write_results(args.out, results, config, checks, args.results_dir)
     _print(results)
     _plot(results, args.results_dir / f"{args.out}.png")
+    print(f"targets: {checks}\nwrote {path}")
+    return {"figures": results, "targets": checks}
+
+
+def _spare_main(args: argparse.Namespace) -> dict[str, Any]:
+    results = spare_rows(args.repeats)
+    spare, today = results["ffplane + spare (etcd rdzv)"], results["ffplane"]
+    base = today["node loss"]["mttr_s"]["median"]
+    print(f"\n{'launcher':28s} {'failure':26s} {'first step (median)':>20s}  lost  vs c10d node loss")
+    for name, kinds in (("ffplane + spare (etcd rdzv)", spare), ("ffplane (c10d)", today)):
+        for kind, fig in kinds.items():
+            m = fig["mttr_s"]["median"]
+            print(f"{name:28s} {kind:26s} {m:19.2f}s  {fig['steps_lost']['median']:4.0f}  {m / base:5.2f}x")
+    host = results["c10d rendezvous-host loss"]
+    print(
+        f"c10d rendezvous-host loss: survived {host['survived']} (survivor's torchrun exit {host['survivor_exit']}: {host['error'][:120]})"
+    )
+    checks = {
+        "node_loss_with_spare_mttr_s<=5": spare["node loss (spare)"]["mttr_s"]["median"] <= 5,
+        "rank0_node_loss_survived": all(t["restored_step"] >= 0 for t in spare["rank-0 node loss (spare)"]["timelines"]),
+        "steps_lost_median_0": max(f["steps_lost"]["median"] for f in spare.values()) == 0,
+    }
+    config = {
+        "nodes": 2,
+        "spares": 1,
+        "workers_per_node": 2,
+        "repeats": args.repeats,
+        "launcher": "torchrun --rdzv-backend ffplane (3 etcd members on loopback) vs --rdzv-backend c10d; "
+        "keep_alive_interval=1 with max_attempt 3 (ffplane) / 2 (c10d); the harness adds --local-addr 127.0.0.1 "
+        "(every node on this machine) and --monitor-interval 0.2",
+    }
+    path = write_results(args.out or "recovery_spare", results, config, checks, args.results_dir)
     print(f"targets: {checks}\nwrote {path}")
     return {"figures": results, "targets": checks}
 
