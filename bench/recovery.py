@@ -185,14 +185,18 @@ class SpareSystem(System):
         super().__init__(work, steps, None)
         self.name = "ffplane + spare (etcd rdzv)"
 
+    def world(self, nodes: list[TorchrunNode]) -> int:
+        return 2 * self.nproc  # the job's two nodes, however many spares wait beside them
+
     def active(self, job: str, nodes: list[TorchrunNode], since: float) -> list[TorchrunNode]:
         """The running nodes whose workers saved since ``since`` (not the waiting spare)."""
         names = {e["node"] for e in self.events(job) if e["kind"] == "saved" and e["t"] >= since}
         return [n for n in nodes if n.running() and n.env["FFPLANE_NODE"] in names]
 
     def spare_mttr(self, repeats: int) -> list[dict[str, Any]]:
-        """One job on 2 nodes + a spare; a node loss (not rank 0's), then the rank-0 node's loss
-        (under c10d, the rendezvous host), ``repeats`` times; a new spare after each."""
+        """One job on 2 nodes + a spare; a worker SIGKILL, a node loss (not rank 0's), then the
+        rank-0 node's loss (under c10d, the rendezvous host), ``repeats`` times; a new spare
+        after each node loss."""
         job = self.new_job()
         since = time.time()
         nodes = self.launch_job(job, [0, 1])
@@ -201,15 +205,19 @@ class SpareSystem(System):
         self.next_daemon = 3
         out = []
         for _ in range(repeats):
-            for kind in ("node loss (spare)", "rank-0 node loss (spare)"):
+            for kind in ("worker SIGKILL", "node loss (spare)", "rank-0 node loss (spare)"):
                 recent = time.time()
                 self.wait_steps(job, self.active(job, nodes, since), max(self.saved_steps(since, job).values()) + 6, since)
                 active = self.active(job, nodes, recent)
                 host = next(e["node"] for e in reversed(self.events(job)) if e["kind"] == "saved" and e["rank"] == 0)
                 victim = next(n for n in active if (n.env["FFPLANE_NODE"] == host) == kind.startswith("rank-0"))
+                pid = self.worker_pid(victim.env["FFPLANE_NODE"], recent, job)
                 failed_at = time.time()
-                victim.kill()
-                self.cluster.lose_node(int(victim.env["FFPLANE_NODE"][1:]))
+                if kind == "worker SIGKILL":
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    victim.kill()
+                    self.cluster.lose_node(int(victim.env["FFPLANE_NODE"][1:]))
                 saved_before = max(self.saved_steps(since, job, until=failed_at).values())
                 self.wait_steps(job, [n for n in nodes if n.running()], saved_before + 1, failed_at)
                 out.append(self.timeline(kind, failed_at, self.detected(job, failed_at) or failed_at, saved_before, job))
@@ -217,6 +225,8 @@ class SpareSystem(System):
                     f"  {self.name:26s} {kind:24s} first step after {out[-1]['seconds']['first_step']:6.2f} s, lost {out[-1]['steps_lost']}",
                     flush=True,
                 )
+                if kind == "worker SIGKILL":
+                    continue
                 new = self.next_daemon  # the next spare: a fresh node
                 self.next_daemon += 1
                 self.cluster.start_daemon(index=new, budget_mb=512)
@@ -250,7 +260,7 @@ def c10d_host_loss(work: Path) -> dict[str, Any]:
         system.close()
 
 
-def spare_rows(repeats: int) -> dict[str, Any]:
+def spare_rows(repeats: int, keep: bool = False) -> dict[str, Any]:
     """The node-loss-with-spare and rank-0-node-loss rows, beside today's node loss (c10d, a
     replacement started after the failure) and c10d's rendezvous-host loss, in the same run."""
     out: dict[str, Any] = {}
@@ -268,7 +278,10 @@ def spare_rows(repeats: int) -> dict[str, Any]:
                 timelines = system.mttr(repeats)
         finally:
             system.close()
-            shutil.rmtree(work, ignore_errors=True)
+            if keep:
+                print(f"  work folder kept: {work}", flush=True)
+            else:
+                shutil.rmtree(work, ignore_errors=True)
         out[system.name] = {
             kind: {
                 "mttr_s": _summary([t["seconds"]["first_step"] for t in ts]),
@@ -320,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--goodput-interval", type=float, default=45.0, help="seconds between worker kills in the goodput run")
     ap.add_argument("--k", default="10,50", help="torch.save every K steps, for each K")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    ap.add_argument("--keep", action="store_true", help="keep each system's work folder (logs, events) under /tmp")
     ap.add_argument("--out", default=None, help="results name (default recovery, or recovery_spare with --spare)")
     ap.add_argument(
         "--spare",
@@ -370,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _spare_main(args: argparse.Namespace) -> dict[str, Any]:
-    results = spare_rows(args.repeats)
+    results = spare_rows(args.repeats, args.keep)
     spare, today = results["ffplane + spare (etcd rdzv)"], results["ffplane"]
     base = today["node loss"]["mttr_s"]["median"]
     print(f"\n{'launcher':28s} {'failure':26s} {'first step (median)':>20s}  lost  vs c10d node loss")
@@ -383,9 +397,11 @@ def _spare_main(args: argparse.Namespace) -> dict[str, Any]:
         f"c10d rendezvous-host loss: survived {host['survived']} (survivor's torchrun exit {host['survivor_exit']}: {host['error'][:120]})"
     )
     checks = {
+        "worker_kill_mttr_s<=2": spare["worker SIGKILL"]["mttr_s"]["median"] <= 2,
         "node_loss_with_spare_mttr_s<=5": spare["node loss (spare)"]["mttr_s"]["median"] <= 5,
         "rank0_node_loss_survived": all(t["restored_step"] >= 0 for t in spare["rank-0 node loss (spare)"]["timelines"]),
         "steps_lost_median_0": max(f["steps_lost"]["median"] for f in spare.values()) == 0,
+        "steps_lost_max<=1": max(f["steps_lost"]["max"] for f in spare.values()) <= 1,
     }
     config = {
         "nodes": 2,

@@ -222,6 +222,26 @@ class StateService:
                     "no intact copy of a role at this step: trying an older one", extra={"job": job, "step": chosen, "error": str(exc)}
                 )
                 continue
+            newest_copy = max((s for steps in anywhere.values() for s in steps), default=chosen)
+            if chosen < newest_copy - 1 and step is None:
+                # more than the one step a failure may cost (some roles commit a step the others
+                # did not reach): say which roles lack the newer steps, and where the copies are
+                log.warning(
+                    "restoring more than one step back: the newer steps miss some role's copy on a live node",
+                    extra={
+                        "job": job,
+                        "step": chosen,
+                        "newest": newest_copy,
+                        "missing": {
+                            s: sorted(r for r in layouts.of(s) if s not in anywhere.get(r, set()))
+                            for s in sorted(layouts.roles)[-4:]
+                            if s > chosen
+                        },
+                        "where": {
+                            r: {s: where.get(r, {}).get(s, []) for s in sorted(anywhere.get(r, set()))[-4:]} for r in sorted(anywhere)
+                        },
+                    },
+                )
             kinds = {g["kind"] == "durable" for g in got}
             source = "durable" if kinds == {True} else "memory" if kinds == {False} else "memory+durable"
             reply: dict[str, Any] = {

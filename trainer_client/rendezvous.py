@@ -35,6 +35,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -50,9 +51,12 @@ try:  # torch's dynamic rendezvous, private parts included: pinned by pyproject'
         RendezvousBackend,
         RendezvousSettings,
         RendezvousTimeout,
+        _Action,
         _BackendRendezvousStateHolder,
         _get_timeout,
         _remove_participant_epilogue,
+        _RendezvousContext,
+        _RendezvousOpExecutor,
     )
 except ImportError as exc:  # pragma: no cover - a torch outside pyproject's range
     raise ImportError(f"ffplane's rendezvous needs torch's dynamic rendezvous of torch 2.4-2.14 (redundancy list): {exc}") from exc
@@ -63,7 +67,9 @@ BACKEND = "ffplane"
 RDZV_PREFIX = "/ffplane/rdzv/"
 _POLL_S = 0.02  # a store key someone waits for is looked for this often
 _PEEK_RETRY_S = 0.5
-_MIN_ATTEMPTS = 3  # the dead-node check runs in the agent's monitor loop: never hold it up long
+_MIN_ATTEMPTS = 3
+_SYNC_S = 1.0  # torch's wait between looks at a state it waits on ...
+_PROMPT_S = 0.1  # ... and ours  # the dead-node check runs in the agent's monitor loop: never hold it up long
 
 
 class EtcdStore(dist.Store):
@@ -229,6 +235,29 @@ class _StateHolder(_BackendRendezvousStateHolder):
             _remove_participant_epilogue(state, self._settings)
 
 
+class _PromptExecutor(_RendezvousOpExecutor):
+    """torch's op executor, but where it would sleep a whole second before looking at the state
+    again (a node waiting for the others, or for the next round), it looks every 0.1 s: each
+    restart round had waited out up to several such seconds."""
+
+    def __init__(self, inner: Any, holder: _BackendRendezvousStateHolder, node: Any, settings: RendezvousSettings) -> None:
+        self._inner, self._holder, self._node, self._settings = inner, holder, node, settings
+
+    def run(self, state_handler: Callable[[Any, float], Any], deadline: float, update_deadline: Any = None) -> None:
+        def prompt(ctx: Any, op_deadline: float) -> Any:
+            action = state_handler(ctx, op_deadline)
+            until = time.monotonic() + _SYNC_S
+            while action == _Action.SYNC and time.monotonic() < until:
+                time.sleep(_PROMPT_S)
+                self._holder.sync()
+                # torch applies the action to the state it read last: make that the fresh one
+                self._inner._state = self._holder.state
+                action = state_handler(_RendezvousContext(self._node, self._holder.state, self._settings), op_deadline)
+            return action
+
+        self._inner.run(prompt, deadline, update_deadline)
+
+
 class FFPlaneRendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous whose ``num_nodes_waiting`` counts a dead peer as a node
     waiting: the agent then restarts its workers for a new round at once."""
@@ -286,6 +315,7 @@ def create_handler(params: RendezvousParameters) -> FFPlaneRendezvousHandler:
         FFPlaneRendezvousHandler._node_desc_generator.generate(params.local_addr), settings, BACKEND, store, holder
     )
     handler._peers, handler._ffplane_node = peers, node
+    handler._op_executor = _PromptExecutor(handler._op_executor, holder, handler._this_node, settings)
     log.info("ffplane rendezvous", extra={"run_id": params.run_id, "etcd": etcd.endpoints, "node": node})
     return handler
 
