@@ -266,7 +266,8 @@ def spare_rows(repeats: int, keep: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for cls in (SpareSystem, System):
         work = Path(tempfile.mkdtemp(prefix="ffplane-recovery-"))
-        steps = 60 + repeats * 2 * 10
+        # room for every failure: a few steps before each, and the steps run while a new spare starts
+        steps = 80 + repeats * 3 * 40 if cls is SpareSystem else 60 + repeats * 2 * 10
         system = SpareSystem(work, steps) if cls is SpareSystem else System(work, steps, None)
         print(f"[{system.name}]", flush=True)
         try:
