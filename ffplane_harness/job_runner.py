@@ -18,6 +18,7 @@ from typing import Any
 from dataserver.protocol.auth import TOKEN_ENV, bearer
 from ffplane_harness.etcd_cluster import EtcdCluster
 from ffplane_harness.local_cluster import LocalCluster
+from ffplane_harness.netns import Netns
 from ffplane_harness.torchrun import TorchrunNode
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -37,12 +38,16 @@ STARTUP = ("imported", "restoring")
 class LocalJobs:
     """A data server, node daemons and torchrun-launched jobs of ``script`` on this machine."""
 
-    def __init__(self, work: Path, steps: int, nproc: int = 2, script: Path = EXAMPLE) -> None:
+    def __init__(self, work: Path, steps: int, nproc: int = 2, script: Path = EXAMPLE, net: Netns | None = None) -> None:
+        """``net``: the data server in its node 0, daemon ``i`` and its torchrun in node
+        ``i + 1``, and (``prepare(rendezvous="ffplane")``) the etcd members in its last three
+        nodes, off the training nodes; else everything on loopback."""
         self.work, self.steps, self.nproc, self.script = work, steps, nproc, script
         self.token = secrets.token_hex(16)
         self.events_dir = work / "events"
         self.events_dir.mkdir(parents=True)
-        self.cluster = LocalCluster(work, work / "datasets", self.token)
+        self.net = net
+        self.cluster = LocalCluster(work, work / "datasets", self.token, net=net)
         self.nodes: list[TorchrunNode] = []
         self.max_restarts = 3  # per torchrun agent
         self.script_args: list[str] = []  # besides --job/--out/--steps
@@ -70,7 +75,8 @@ class LocalJobs:
         ingest(IngestConfig([self.work / "tokens.parquet"], self.work / "datasets" / "tokens", progress=False))
         extra: list[str] = []
         if rendezvous == "ffplane":
-            self.etcd = EtcdCluster(self.work).start()
+            members = self.net.nodes[-3:] if self.net else []
+            self.etcd = EtcdCluster(self.work, [m.addr for m in members] or None, [m.exec_argv for m in members] or None).start()
             extra = ["--etcd", self.etcd.endpoints]
         self.cluster.start_dataserver(*extra)
         for _ in range(daemons):
@@ -105,6 +111,8 @@ class LocalJobs:
             "FFPLANE_DAEMON_SOCKET": str(self.cluster.socket(daemon)),
             "FFPLANE_EVENTS_DIR": str(self.events_dir / job),
         }
+        if self.net is not None:  # gloo binds the node's own link, not the host name's loopback
+            env["GLOO_SOCKET_IFNAME"] = self.net.nodes[daemon + 1].iface
         node = TorchrunNode(
             self.script,
             ["--job", job, "--out", str(self.work / job), "--steps", str(self.steps), *self.script_args],
@@ -117,6 +125,8 @@ class LocalJobs:
             max_restarts=self.max_restarts,
             host=not any(n.running() and n.run_id == job for n in self.nodes),
             rdzv="ffplane" if self.etcd else "c10d",
+            local_addr=self.net.nodes[daemon + 1].addr if self.net else "127.0.0.1",
+            wrap=self.net.nodes[daemon + 1].exec_argv if self.net else None,
             warm_dir=Path(f"/dev/shm/ffw-{os.getpid()}-{len(self.nodes)}") if self.warm else None,  # a new node starts cold
         )
         if prestart and node.warm_dir is not None:

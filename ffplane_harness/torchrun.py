@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,9 @@ class TorchrunNode:
     # "c10d": torch's, its store on the ``host`` agent; "ffplane": trainer_client.rendezvous, the
     # endpoint naming the etcd members
     rdzv: str = "c10d"
+    local_addr: str = "127.0.0.1"  # the agent's address as its peers reach it
+    # rewrites the command line, e.g. ``Node.exec_argv`` to run the node in its network namespace
+    wrap: Callable[[list[str]], list[str]] | None = None
     max_restarts: int = 3
     # Restarted workers fork from a zygote that has torch imported (trainer_client.warm_start),
     # which keeps its socket here: one folder per node, so a replacement node starts cold.
@@ -62,7 +66,7 @@ class TorchrunNode:
             "--rdzv-conf",
             conf,
             "--local-addr",
-            "127.0.0.1",
+            self.local_addr,
             "--max-restarts",
             str(self.max_restarts),
             "--monitor-interval",
@@ -78,7 +82,8 @@ class TorchrunNode:
             self.warm_dir.mkdir(parents=True, exist_ok=True)
             env["FFPLANE_WARM_DIR"] = str(self.warm_dir)
         with open(self.log, "ab") as log:
-            self.popen = subprocess.Popen(self.argv(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            argv = self.wrap(self.argv()) if self.wrap else self.argv()
+            self.popen = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
     def prestart(self) -> None:
@@ -86,7 +91,8 @@ class TorchrunNode:
         assert self.warm_dir is not None, "a warm spare needs warm_dir"
         self.warm_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, "FFPLANE_WARM_DIR": str(self.warm_dir)}
-        subprocess.run([sys.executable, "-m", "trainer_client.warm_start", "--prestart"], env=env, check=True)
+        argv = [sys.executable, "-m", "trainer_client.warm_start", "--prestart"]
+        subprocess.run(self.wrap(argv) if self.wrap else argv, env=env, check=True)
 
     def freeze(self) -> None:
         """The node's link died without a reset: the agent, its workers and the zygote stopped

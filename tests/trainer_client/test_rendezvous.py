@@ -1,6 +1,6 @@
 """torchrun with ``--rdzv-backend ffplane``: the rendezvous held by etcd, dead nodes named by the
-coordinator. A training node frozen mid-step (its link dead without a reset: peers hang in a
-collective, no error reaches them) is the node whose agent was rank 0 — it served the workers'
+coordinator. A training node silenced mid-step (its link cut in network namespaces, its processes
+frozen on loopback: peers hang in a collective, no reset reaches them) is the node whose agent was rank 0 — it served the workers'
 store, and under ``c10d`` would have held the rendezvous — and a warm spare takes its roles; the
 job ends bitwise-equal to a failure-free run."""
 
@@ -18,6 +18,8 @@ import torch
 
 from ffplane_harness.etcd_cluster import EtcdCluster, available
 from ffplane_harness.job_runner import LocalJobs
+from ffplane_harness.netns import Netns, leftovers
+from ffplane_harness.netns import available as netns_available
 from trainer_client.rendezvous import EtcdRendezvousBackend, EtcdStore
 
 STEPS = 24
@@ -53,10 +55,26 @@ def test_the_store_and_backend_keep_c10d_and_torch_semantics(etcd: EtcdCluster) 
     assert newer is not None and newer[2] is True and backend.get_state() == (b"s3", newer[1])
 
 
-def test_a_frozen_rank0_node_is_replaced_by_a_warm_spare_and_the_job_ends_bitwise(tmp_path: Path) -> None:
+@pytest.fixture
+def net() -> Iterator[Netns | None]:
+    """Seven network namespaces (the data server, three training nodes, three etcd members) when
+    root, else None (everything on loopback); deleted afterwards, even on failure."""
+    if netns_available():
+        yield None
+        return
+    n = Netns(7, rate="1gbit")
+    try:
+        yield n
+    finally:
+        n.close()
+    assert not [x for x in leftovers() if x.startswith(n.tag)]
+
+
+def test_a_silenced_rank0_node_is_replaced_by_a_warm_spare_and_the_job_ends_bitwise(tmp_path: Path, net: Netns | None) -> None:
+    """In namespaces the node's link is cut; on loopback its processes are frozen (SIGSTOP)."""
     if available():
         pytest.skip(str(available()))
-    jobs = LocalJobs(tmp_path, STEPS)
+    jobs = LocalJobs(tmp_path, STEPS, net=net)
     try:
         jobs.prepare(["reference", "frozen"], daemons=3, rendezvous="ffplane")
         jobs.wait_done(jobs.launch_job("reference", [0, 1]))
@@ -69,21 +87,24 @@ def test_a_frozen_rank0_node_is_replaced_by_a_warm_spare_and_the_job_ends_bitwis
 
         host = next(e["node"] for e in reversed(jobs.events("frozen")) if e["kind"] == "saved" and e["rank"] == 0)
         victim = jobs.node_of(nodes, host)
-        daemon = next(d for d in jobs.cluster.daemons if d.ready.get("node_id") == host)
         failed_at = time.time()
-        victim.freeze()  # its workers, agent and zygote stop mid-step; so does its daemon
-        os.kill(daemon.pid, signal.SIGSTOP)
+        if net is not None:  # the link dies: no reset reaches its peers, etcd or the coordinator
+            net.cut(net.nodes[int(host[1:]) + 1])
+        else:  # its workers, agent and zygote stop mid-step; so does its daemon
+            victim.freeze()
+            daemon = next(d for d in jobs.cluster.daemons if d.ready.get("node_id") == host)
+            os.kill(daemon.pid, signal.SIGSTOP)
         detected_at = jobs.until(lambda: host in jobs.status("frozen").get("dead", []))
         saved_before = max(jobs.saved_steps(since, until=failed_at).values())
         survivors = [n for n in nodes if n is not victim] + [spare]
         jobs.wait_done(survivors, timeout_s=240)
-        timeline = jobs.timeline("frozen rank-0 node", failed_at, detected_at, saved_before, "frozen")
+        timeline = jobs.timeline("silenced rank-0 node", failed_at, detected_at, saved_before, "frozen")
     finally:
         jobs.close()
 
-    # saves from the declaration on (one may land between ``failed_at`` and the SIGSTOP)
+    # saves from the declaration on (one may land between ``failed_at`` and the cut)
     after = [e for e in jobs.events("frozen") if e["t"] > detected_at and e["kind"] == "saved"]
-    assert {e["node"] for e in after} == {"n0", "n1", "n2"} - {host}  # the spare took the frozen node's place
+    assert {e["node"] for e in after} == {"n0", "n1", "n2"} - {host}  # the spare took the silenced node's place
     # the survivors dropped it on the coordinator's word, not on torch's keep-alive
     survivor_logs = "".join((tmp_path / f"frozen-{n.env['FFPLANE_NODE']}.log").read_text() for n in survivors)
     assert f"the coordinator declared node {host} dead" in survivor_logs
