@@ -17,6 +17,7 @@ from dataserver.ingest import IngestConfig, ingest
 from tests._servers import TOKEN, Proc, start
 
 if TYPE_CHECKING:
+    from ffplane_harness.etcd_cluster import EtcdCluster
     from ffplane_harness.local_cluster import LocalCluster
 
 SEQ_LEN = 16
@@ -116,6 +117,17 @@ def start_daemon(tmp_path: Path, dataserver: Proc, shm_root: Path) -> Iterator[C
             return launch(["serve", "--dataserver", dataserver.url, "--root", str(root), "--port", "0", "--budget-mb", "256", *extra], name)
 
         yield _start
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A real 3-member etcd cluster on loopback (skipped where etcd is not installed)."""
+    from ffplane_harness.etcd_cluster import EtcdCluster, available
+
+    if available():
+        pytest.skip(str(available()))
+    with EtcdCluster(tmp_path) as cluster:
+        yield cluster
 
 
 @contextmanager

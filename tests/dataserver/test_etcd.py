@@ -4,21 +4,11 @@ failing over when the member it talks to is killed."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from dataserver.protocol.etcd import Etcd, EtcdUnavailable, parse_endpoints
-from ffplane_harness.etcd_cluster import EtcdCluster, available
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
-    if available():
-        pytest.skip(str(available()))
-    with EtcdCluster(tmp_path) as cluster:
-        yield cluster
+from ffplane_harness.etcd_cluster import EtcdCluster
 
 
 def test_compare_and_set_writes_only_over_the_revision_it_read(etcd: EtcdCluster) -> None:

@@ -25,14 +25,6 @@ from trainer_client.rendezvous import EtcdRendezvousBackend, EtcdStore
 STEPS = 24
 
 
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
-    if available():
-        pytest.skip(str(available()))
-    with EtcdCluster(tmp_path) as cluster:
-        yield cluster
-
-
 def test_the_store_and_backend_keep_c10d_and_torch_semantics(etcd: EtcdCluster) -> None:
     store = EtcdStore(etcd.client(), "/test/store", timeout=timedelta(seconds=1))
     store.set("a", b"1")
