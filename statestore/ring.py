@@ -225,7 +225,12 @@ class Replicator:
                     addr,
                     shard,
                     self.node_id,
-                    max(self._local_steps(job, role, shard.kind)),
+                    # only the primary may say which of the role's steps are its newest: a held
+                    # replica re-sent after its primary died has older steps than the successor may
+                    # already hold from that primary, and claiming them as newest made the
+                    # successor drop the newer ones as a rewound future (19 steps lost, the spare
+                    # benchmark)
+                    max(self._local_steps(job, role, shard.kind)) if shard.kind == "primary" else None,
                     lambda: self._urgent(job, role),
                     maybe_there=(job, role, step) in self._again,
                 )

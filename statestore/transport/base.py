@@ -79,12 +79,18 @@ class Transport(ABC):
 
     @abstractmethod
     async def push(
-        self, base: str, shard: LocalShard, source: str, newest: int, urgent: Callable[[], bool] = lambda: False, maybe_there: bool = False
+        self,
+        base: str,
+        shard: LocalShard,
+        source: str,
+        newest: int | None,
+        urgent: Callable[[], bool] = lambda: False,
+        maybe_there: bool = False,
     ) -> int:
         """Send ``shard`` to the daemon at ``base``, which verifies and commits it as a replica
         from ``source`` (this node); returns the bytes sent. ``newest``: this node's newest
-        committed step of the role (the receiver drops its replicas above it: a future the sender
-        rewound from). ``urgent``: asked while the push waits at the link gate, whether it may
+        committed step of the role, when it is the role's primary (the receiver drops its replicas
+        above it: a future the sender rewound from); None for a replica held for a dead primary. ``urgent``: asked while the push waits at the link gate, whether it may
         pass TRAIN's signals. ``maybe_there``: sent before, the receiver may hold it already; a
         transport asks before sending it again. Raises ``PeerError``."""
 

@@ -85,7 +85,13 @@ class HttpTransport(Transport):
             ) from exc
 
     async def push(
-        self, base: str, shard: LocalShard, source: str, newest: int, urgent: Callable[[], bool] = lambda: False, maybe_there: bool = False
+        self,
+        base: str,
+        shard: LocalShard,
+        source: str,
+        newest: int | None,
+        urgent: Callable[[], bool] = lambda: False,
+        maybe_there: bool = False,
     ) -> int:
         """A shard's first attempt is one request carrying its metadata, its bytes and the commit
         (``PUT .../whole``): three requests per shard per step were most of a daemon's HTTP
@@ -111,7 +117,7 @@ class HttpTransport(Transport):
                 await self._json(
                     "PUT",
                     f"{url}/whole",
-                    params={"newest": str(newest)},
+                    params={} if newest is None else {"newest": str(newest)},
                     session=self._push_session,
                     data=self._gated(staged, 0, urgent, prefix=meta_prefix(meta)),
                 )
@@ -138,7 +144,7 @@ class HttpTransport(Transport):
         )
         if offset != shard.nbytes:
             raise PeerError(f"{shard.role} step {shard.step}: the receiver has {offset} of {shard.nbytes} bytes; will resume", 502)
-        await self._json("POST", f"{url}/commit", params={"newest": str(newest)})
+        await self._json("POST", f"{url}/commit", params={} if newest is None else {"newest": str(newest)})
         self._tried.discard(attempt)
         self.counts.resumed += 1
         return offset - start

@@ -69,6 +69,30 @@ def test_commits_reach_the_successor_verified_and_follow_a_node_loss(cluster: Lo
     assert pulled["pulled_bytes"] > 0 and {r["kind"] for r in pulled["replicas"]} == {"pulled"}
 
 
+def test_replicas_resent_for_a_dead_primary_do_not_drop_the_newer_ones_its_successor_holds(cluster: LocalCluster) -> None:
+    """n1 saves; its successor is n0, then n2 once it joins. When n1 dies, n0 sends on the older
+    replicas it holds for n1 to its new successor n2 — which holds n1's newer ones. The resend used
+    to carry n0's newest step of the role as if n0 were the primary, and n2 dropped its newer
+    replicas as a future the primary had rewound from: restores went back several steps (19 in
+    the spare benchmark), with no error. (It shows when n0's resend lands before n2's copies reach
+    n0 and evict n0's older ones; that race went the bad way in 1 of 3 runs here.)"""
+    start_ring(cluster, 2)  # n0 → n1 → n0
+    role = "dp0-pp0-tp0"
+    _save(cluster, 1, 0, range(1, 4))
+    until(lambda: "n0" in _held(cluster, role, 3), what="steps 2, 3 replicated on n0")
+    start_ring(cluster, 1)  # n0 → n1 → n2 → n0: n1's replicas now go to n2
+    until(lambda: daemon_state(cluster, 1)["replication"]["successor"] == "n2", what="n1 replicating to n2")
+    _save(cluster, 1, 0, range(4, 7))
+    until(lambda: "n2" in _held(cluster, role, 6), what="steps 5, 6 replicated on n2")
+    cluster.lose_node(1)
+    until(lambda: "n1" in _status(cluster)["dead"], what="n1 declared dead")
+    # two copies of the newest step again (n2 sends n1's replicas on to n0) — and n0's resend of
+    # the older ones it held must not have cost n2 its copy (it did when the resend won the race)
+    until(lambda: _held(cluster, role, 6) == ["n0", "n2"], what="two copies of step 6 after the resends")
+    got = Checkpointer("job", socket_path=cluster.socket(2)).restore()
+    assert got is not None and got.step == 6 and torch.equal(got.state["w"], _state(6, 0)["w"])
+
+
 def test_a_ring_change_elsewhere_resends_nothing_the_successor_holds(cluster: LocalCluster) -> None:
     """A node joining between others changes every daemon's ring; a predecessor whose successor
     stayed the same asks it before sending its newest versions again (it used to send each whole
