@@ -33,6 +33,7 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -250,8 +251,8 @@ def c10d_host_loss(work: Path) -> dict[str, Any]:
         nodes[0].kill()  # the is_host agent's node
         system.cluster.lose_node(0)
         try:
-            rc = nodes[1].wait(60)
-        except Exception:  # noqa: BLE001 - still running after 60 s: it survived after all
+            rc: int | None = nodes[1].wait(60)
+        except subprocess.TimeoutExpired:  # still running after 60 s: it survived after all
             rc = None
         log = (work / f"{job}-n1.log").read_text(errors="replace")
         error = next((line.strip() for line in reversed(log.splitlines()) if "Error" in line), "")
@@ -283,21 +284,29 @@ def spare_rows(repeats: int, keep: bool = False) -> dict[str, Any]:
                 print(f"  work folder kept: {work}", flush=True)
             else:
                 shutil.rmtree(work, ignore_errors=True)
-        out[system.name] = {
-            kind: {
-                "mttr_s": _summary([t["seconds"]["first_step"] for t in ts]),
-                "stages_median_s": {s: statistics.median(t["seconds"][s] for t in ts) for s in (*STAGES, "caught_up")},
-                "steps_lost": _summary([t["steps_lost"] for t in ts]),
-                "timelines": ts,
-            }
-            for kind in sorted({t["failure"] for t in timelines})
-            for ts in [[t for t in timelines if t["failure"] == kind]]
-        }
+        out[system.name] = by_kind(timelines)
     work = Path(tempfile.mkdtemp(prefix="ffplane-recovery-"))
     try:
         out["c10d rendezvous-host loss"] = c10d_host_loss(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def by_kind(timelines: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each failure kind's figures over its timelines."""
+    out: dict[str, Any] = {}
+    for kind in dict.fromkeys(t["failure"] for t in timelines):
+        ts = [t for t in timelines if t["failure"] == kind]
+        out[kind] = {
+            "mttr_s": _summary([t["seconds"]["first_step"] for t in ts]),
+            "caught_up_s": _summary([t["seconds"]["caught_up"] for t in ts]),
+            "stages_median_s": {s: statistics.median(t["seconds"][s] for t in ts) for s in (*STAGES, "caught_up")},
+            # the start-up inside "restarted → restored": torch loaded, process group + model + DDP
+            "startup_median_s": {s: statistics.median(t["seconds"][s] for t in ts) for s in STARTUP if all(s in t["seconds"] for t in ts)},
+            "steps_lost": _summary([t["steps_lost"] for t in ts]),
+            "timelines": ts,
+        }
     return out
 
 
@@ -307,18 +316,7 @@ def _summary(samples: list[float]) -> dict[str, Any]:
 
 def measure(system: System, repeats: int, failures: int, interval_s: float, steps_per_s: float | None) -> tuple[dict[str, Any], float]:
     timelines = system.mttr(repeats)
-    figures: dict[str, Any] = {}
-    for kind in ("worker SIGKILL", "node loss"):
-        ts = [t for t in timelines if t["failure"] == kind]
-        figures[kind] = {
-            "mttr_s": _summary([t["seconds"]["first_step"] for t in ts]),
-            "caught_up_s": _summary([t["seconds"]["caught_up"] for t in ts]),
-            "stages_median_s": {s: statistics.median(t["seconds"][s] for t in ts) for s in (*STAGES, "caught_up")},
-            # the start-up inside "restarted → restored": torch loaded, process group + model + DDP
-            "startup_median_s": {s: statistics.median(t["seconds"][s] for t in ts) for s in STARTUP if all(s in t["seconds"] for t in ts)},
-            "steps_lost": _summary([t["steps_lost"] for t in ts]),
-            "timelines": ts,
-        }
+    figures: dict[str, Any] = by_kind(timelines)
     if steps_per_s is None:  # size the goodput runs from this system's pace: ``failures`` intervals
         ev = [e for e in system.events("run1") if e["kind"] == "saved" and e["rank"] == 0]
         steps_per_s = (ev[-1]["step"] - ev[0]["step"]) / max(ev[-1]["t"] - ev[0]["t"], 1e-3) if len(ev) > 1 else 5.0

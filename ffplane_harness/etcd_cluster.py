@@ -25,11 +25,12 @@ def available() -> str | None:
     return None if shutil.which("etcd") else "etcd is not installed (apt-get install -y etcd-server)"
 
 
-def _free_ports(host: str, n: int) -> list[int]:
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held until each is known)."""
     socks = []
     for _ in range(n):
         s = socket.socket()
-        s.bind((host if host != "0.0.0.0" else "127.0.0.1", 0))
+        s.bind(("127.0.0.1", 0))
         socks.append(s)
     ports = [s.getsockname()[1] for s in socks]
     for s in socks:
@@ -73,7 +74,7 @@ class EtcdCluster:
 
     def start(self, timeout_s: float = 30.0) -> EtcdCluster:
         # ports are picked here for every member (loopback hosts share this namespace's ports)
-        ports = _free_ports("127.0.0.1", 2 * len(self.hosts))
+        ports = _free_ports(2 * len(self.hosts))
         peers = [f"http://{h}:{ports[2 * i + 1]}" for i, h in enumerate(self.hosts)]
         initial = ",".join(f"e{i}={p}" for i, p in enumerate(peers))
         token = f"ffplane-{time.monotonic_ns()}"

@@ -111,8 +111,9 @@ class LocalJobs:
             "FFPLANE_DAEMON_SOCKET": str(self.cluster.socket(daemon)),
             "FFPLANE_EVENTS_DIR": str(self.events_dir / job),
         }
-        if self.net is not None:  # gloo binds the node's own link, not the host name's loopback
-            env["GLOO_SOCKET_IFNAME"] = self.net.nodes[daemon + 1].iface
+        place = self.net.nodes[daemon + 1] if self.net else None
+        if place is not None:  # gloo binds the node's own link, not the host name's loopback
+            env["GLOO_SOCKET_IFNAME"] = place.iface
         node = TorchrunNode(
             self.script,
             ["--job", job, "--out", str(self.work / job), "--steps", str(self.steps), *self.script_args],
@@ -125,8 +126,8 @@ class LocalJobs:
             max_restarts=self.max_restarts,
             host=not any(n.running() and n.run_id == job for n in self.nodes),
             rdzv="ffplane" if self.etcd else "c10d",
-            local_addr=self.net.nodes[daemon + 1].addr if self.net else "127.0.0.1",
-            wrap=self.net.nodes[daemon + 1].exec_argv if self.net else None,
+            local_addr=place.addr if place else "127.0.0.1",
+            wrap=place.exec_argv if place else None,
             warm_dir=Path(f"/dev/shm/ffw-{os.getpid()}-{len(self.nodes)}") if self.warm else None,  # a new node starts cold
         )
         if prestart and node.warm_dir is not None:

@@ -46,9 +46,10 @@ class TorchrunNode:
     def argv(self) -> list[str]:
         # keep-alive 1 s x 2: a lost agent leaves the rendezvous in ~2 s instead of 15 s, so the
         # survivors' next round is not held up waiting for it.
-        conf = f"is_host={int(self.host)},keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
         if self.rdzv == "ffplane":  # the README's line: dead nodes come from the coordinator
             conf = "keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"
+        else:
+            conf = f"is_host={int(self.host)},keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
         return [
             sys.executable,
             "-m",

@@ -182,6 +182,7 @@ class DeadPeers:
         self._members = f"{RDZV_PREFIX}{run_id}/members/".encode()
         self._said: set[str] = set()
         self._lock = threading.Lock()
+        self.last: set[str] = set()  # the answer of the newest ``dead()``: a sync asks once, its callers read this
 
     def register(self, member: str, node: str) -> None:
         """Say that rendezvous member ``member`` (torch's node descriptor) runs on ``node``."""
@@ -190,6 +191,10 @@ class DeadPeers:
     def dead(self) -> set[str]:
         """Members on dead nodes; empty when etcd does not answer in time (torch's keep-alive
         still drops them then)."""
+        self.last = self._dead()
+        return self.last
+
+    def _dead(self) -> set[str]:
         try:
             dead = {kv.key[len(DEAD_PREFIX) :].decode(): kv.mod_revision for kv in self._etcd.get_prefix(DEAD_PREFIX, _PEEK_RETRY_S)}
             if not dead:
@@ -217,12 +222,12 @@ class _StateHolder(_BackendRendezvousStateHolder):
 
     def __init__(self, backend: RendezvousBackend, settings: RendezvousSettings, peers: DeadPeers) -> None:
         super().__init__(backend, settings, cache_duration=0)
-        self._peers = peers
+        self.peers = peers
 
     def _sanitize(self) -> None:
         super()._sanitize()
         state = self._state
-        dead = self._peers.dead()
+        dead = self.peers.dead()
         if not dead:
             return
         removed = False
@@ -262,9 +267,11 @@ class FFPlaneRendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous whose ``num_nodes_waiting`` counts a dead peer as a node
     waiting: the agent then restarts its workers for a new round at once."""
 
-    _peers: DeadPeers
-    _ffplane_node: str
-    _round: set[str] = set()  # the members of the round this agent's workers run in
+    def __init__(self, node: Any, settings: RendezvousSettings, store: dist.Store, holder: _StateHolder, ffplane_node: str) -> None:
+        super().__init__(node, settings, BACKEND, store, holder)
+        self._peers, self._ffplane_node = holder.peers, ffplane_node
+        self._round: set[str] = set()  # the members of the round this agent's workers run in
+        self._op_executor = _PromptExecutor(self._op_executor, holder, node, settings)
 
     def next_rendezvous(self) -> Any:
         self._peers.register(repr(self._this_node), self._ffplane_node)
@@ -273,10 +280,10 @@ class FFPlaneRendezvousHandler(DynamicRendezvousHandler):
         return info
 
     def num_nodes_waiting(self) -> int:
-        # the sync inside has dropped a dead member from the shared state already: judge by the
-        # round the workers run in
+        # the sync inside asked which members are dead (and dropped them from the shared state):
+        # judge by the round the workers run in
         waiting = super().num_nodes_waiting()
-        return waiting + 1 if self._round & self._peers.dead() else waiting
+        return waiting + 1 if self._round & self._peers.last else waiting
 
 
 def create_handler(params: RendezvousParameters) -> FFPlaneRendezvousHandler:
@@ -308,14 +315,11 @@ def create_handler(params: RendezvousParameters) -> FFPlaneRendezvousHandler:
         keep_alive_interval=timedelta(seconds=params.get_as_int("keep_alive_interval", 5) or 5),
         keep_alive_max_attempt=attempts,
     )
-    peers = DeadPeers(etcd, params.run_id)
+    holder = _StateHolder(EtcdRendezvousBackend(etcd, params.run_id), settings, DeadPeers(etcd, params.run_id))
     store = EtcdStore(etcd, f"{RDZV_PREFIX}{params.run_id}/store")
-    holder = _StateHolder(EtcdRendezvousBackend(etcd, params.run_id), settings, peers)
     handler = FFPlaneRendezvousHandler(
-        FFPlaneRendezvousHandler._node_desc_generator.generate(params.local_addr), settings, BACKEND, store, holder
+        FFPlaneRendezvousHandler._node_desc_generator.generate(params.local_addr), settings, store, holder, node
     )
-    handler._peers, handler._ffplane_node = peers, node
-    handler._op_executor = _PromptExecutor(handler._op_executor, holder, handler._this_node, settings)
     log.info("ffplane rendezvous", extra={"run_id": params.run_id, "etcd": etcd.endpoints, "node": node})
     return handler
 

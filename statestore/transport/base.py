@@ -90,8 +90,9 @@ class Transport(ABC):
         """Send ``shard`` to the daemon at ``base``, which verifies and commits it as a replica
         from ``source`` (this node); returns the bytes sent. ``newest``: this node's newest
         committed step of the role, when it is the role's primary (the receiver drops its replicas
-        above it: a future the sender rewound from); None for a replica held for a dead primary. ``urgent``: asked while the push waits at the link gate, whether it may
-        pass TRAIN's signals. ``maybe_there``: sent before, the receiver may hold it already; a
+        above it: a future the sender rewound from); None for a replica held for a dead primary.
+        ``urgent``: asked while the push waits at the link gate, whether it may pass TRAIN's
+        signals. ``maybe_there``: sent before, the receiver may hold it already; a
         transport asks before sending it again. Raises ``PeerError``."""
 
     @abstractmethod
