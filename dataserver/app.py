@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Annotated, Any, cast
 
 import aiohttp
@@ -53,9 +54,12 @@ from dataserver.jobs import (
     JobRegistry,
     JobSpec,
 )
-from dataserver.planner import Generation
+from dataserver.leadership import Leadership
+from dataserver.planner import Generation, Planner
 from dataserver.protocol.auth import load_token
-from dataserver.protocol.etcd import Etcd
+from dataserver.protocol.etcd import Etcd, EtcdUnavailable
+from dataserver.protocol.heartbeat import LEADER_HEADER
+from dataserver.shared_jobs import EtcdJobRegistry
 from dataserver.stream import MEDIA_TYPE, StepEncoder, WholeBody, encode_steps
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,7 @@ _WHOLE_BODY_BYTES = 64 << 20
 # heartbeats) keeps answering while it is gathered; smaller steps are encoded on the loop, which
 # measured faster for the usual ~4 MiB steps (docs/decisions.md, "Data path, fourth pass").
 _INLINE_STEP_BYTES = 16 << 20
+_ADMIT_ATTEMPTS = 4  # a request re-checked this often when other servers keep changing its job's plan
 MAX_COUNT = 1 << 16  # the schema's bound on steps per request; --max-steps-per-request is at most this
 _NAME_LEN = 128
 _PROBE_S = 1.5  # how long the coordinator waits for a reported node's health check
@@ -94,6 +99,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         409: "conflicts with the job or membership as it is (the message names what)",
         413: "request too large: body, steps or bytes per request",
         416: "step or dp rank outside the job",
+        421: f"this data server does not coordinate now; the {LEADER_HEADER} header names the one that does",
         422: "invalid request: the message names the field and the bound",
         503: "the server cannot serve this now (the message says why)",
     }
@@ -211,6 +217,12 @@ class _Metrics:
         self.bytes = Counter("ffplane_dataserver_bytes_served", "Arrow IPC bytes streamed", ["job"], registry=self.registry)
 
 
+@dataclass
+class _Lead:
+    leading: bool  # whether this server coordinates now
+    settled_at: float = 0.0  # monotonic time from which it answers ring views (see create_app)
+
+
 def _describe(catalog: Catalog, dataset: str) -> dict[str, Any]:
     try:
         return catalog.get(dataset).describe()
@@ -261,10 +273,22 @@ def _validation_detail(exc: RequestValidationError) -> str:
 def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     """The data server app; ``token`` defaults to the configured token file or environment."""
     catalog = Catalog(config.data_dir)
-    jobs = JobRegistry(config.resolved_state_dir())
+    etcd = Etcd(config.etcd) if config.etcd else None
+    jobs = JobRegistry(config.resolved_state_dir()) if etcd is None else EtcdJobRegistry(etcd, config.resolved_state_dir())
     auth = BearerAuth(token if token is not None else load_token(config.token_file))
     metrics = _Metrics()
     coordinator = Coordinator(config.dead_after_s, auth.token, forget_after_s=config.forget_dead_after_s)
+    # With etcd, several servers may serve the same jobs and one at a time coordinates; a server
+    # that just took over answers no ring view until the daemons' heartbeats have had time to
+    # find it, so none is handed a ring missing nodes that are alive (shared_jobs, leadership).
+    settle_s = max(config.dead_after_s, 1.0) + 0.5
+    lead = _Lead(leading=etcd is None)
+
+    def on_lead_change(leading: bool, took_over: bool) -> None:
+        coordinator.reset()
+        lead.leading, lead.settled_at = leading, time.monotonic() + (settle_s if took_over else 0.0)
+
+    leadership = Leadership(etcd, config.url(config.port), on_lead_change) if etcd is not None else None
 
     needs_token = [Depends(auth)]  # the body and its size are judged by BodyGuard before this
     secured: dict[str, Any] = {"security": [{"bearer": []}]}
@@ -315,21 +339,22 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         log.info(
             "dataserver ready", extra={"datasets": catalog.names(), "jobs": names, "broken_jobs": sorted(set(jobs.names()) - set(names))}
         )
-        sweeper = asyncio.create_task(sweep(), name="coordinator sweep")
-        prober = asyncio.create_task(reprobe(), name="coordinator reprobe")
-        board = None
-        if config.etcd:
-            board = asyncio.create_task(DeadBoard(Etcd(config.etcd), coordinator).run(config.sweep_s), name="dead board")
+        tasks = [asyncio.create_task(sweep(), name="coordinator sweep"), asyncio.create_task(reprobe(), name="coordinator reprobe")]
+        if etcd is not None and leadership is not None:
+            leadership.url = config.url(config.port)  # the port bound, for --port 0
+            await leadership.start()
+            tasks.append(asyncio.create_task(leadership.run(), name="leadership"))
+            tasks.append(asyncio.create_task(DeadBoard(etcd, coordinator, lambda: lead.leading).run(config.sweep_s), name="dead board"))
         udp = None
         if config.heartbeat_udp_port >= 0 and auth.token is not None:
             udp = await listen_udp(coordinator, config.host, config.heartbeat_udp_port)
         yield
         if udp is not None:
             udp.close()
-        sweeper.cancel()
-        prober.cancel()
-        if board is not None:
-            board.cancel()
+        for task in tasks:
+            task.cancel()
+        if leadership is not None:
+            await leadership.resign()
         opener.shutdown(wait=True, cancel_futures=True)
         big_steps.shutdown(wait=True, cancel_futures=True)
         catalog.close()
@@ -359,6 +384,31 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
+    def coordinating() -> None:
+        """Coordinator endpoints: answered by the server that coordinates; the others say which does."""
+        if not lead.leading:
+            leader = leadership.leader if leadership is not None else None
+            where = f"send it to {leader}" if leader and leader != config.url(config.port) else "no server coordinates yet; retry shortly"
+            raise HTTPException(421, f"this data server does not coordinate now: {where}", headers={LEADER_HEADER: leader or ""})
+
+    def settled() -> None:
+        """A server that just took over answers no ring view or restore status for a moment (the
+        daemons' heartbeats are still finding it; see create_app)."""
+        left = lead.settled_at - time.monotonic()
+        if left > 0:
+            raise HTTPException(
+                503, f"this data server took over coordination and is collecting the nodes' heartbeats; retry in {left:.1f} s"
+            )
+
+    leader_only = [Depends(coordinating)]
+
+    def refresh(name: str) -> None:
+        """Blocking (sync routes): the job's record as etcd has it now, where other servers share it."""
+        try:
+            jobs.refresh(name)
+        except EtcdUnavailable as exc:
+            raise HTTPException(503, f"cannot read job {name!r}'s record: {exc}") from exc
+
     def job_or_error(name: str) -> Job:
         try:
             return jobs.get(name)
@@ -366,6 +416,13 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             raise HTTPException(404, str(exc.args[0])) from exc
         except JobBroken as exc:
             raise HTTPException(409, str(exc)) from exc
+        except EtcdUnavailable as exc:
+            raise HTTPException(503, f"cannot read job {name!r}'s record: {exc}") from exc
+
+    async def job_or_error_async(name: str) -> Job:
+        if not jobs.known(name):  # a job another data server created: its record is read off the loop
+            await asyncio.to_thread(jobs.find, name)
+        return job_or_error(name)
 
     def layout_refusal(dp: int, batch_per_rank: int, sample_bytes: int) -> str | None:
         if dp * batch_per_rank > config.max_samples_per_step:
@@ -384,6 +441,12 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     @app.get("/v1/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/v1/leader")
+    async def leader() -> dict[str, Any]:
+        """Whether this server coordinates, and which one does (with several data servers)."""
+        url = config.url(config.port)
+        return {"url": url, "leading": lead.leading, "leader": url if etcd is None else leadership.leader if leadership else None}
 
     @app.get("/v1/datasets")
     def list_datasets() -> list[dict[str, Any]]:
@@ -434,15 +497,21 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/jobs/{name}", responses=_errors(404, 422))
     def get_job(name: PathName) -> JobView:
+        refresh(name)
         broken = jobs.broken(name)
         if broken is not None:
             return _broken_view(broken)
         return _job_view(job_or_error(name), catalog)
 
     # Async: the committed step comes from the coordinator, which lives on the event loop.
-    @app.post("/v1/jobs/{name}/generations", dependencies=needs_token, responses=_errors(401, 404, 409, 413, 422), openapi_extra=secured)
+    @app.post(
+        "/v1/jobs/{name}/generations",
+        dependencies=[*needs_token, *leader_only],
+        responses=_errors(401, 404, 409, 413, 421, 422, 503),
+        openapi_extra=secured,
+    )
     async def add_generation(name: PathName, body: GenerationCreate) -> JobView:
-        job = job_or_error(name)
+        job = await job_or_error_async(name)
         try:
             sample_bytes = catalog.known_sample_bytes(job.spec.dataset)
             if sample_bytes is None:
@@ -455,19 +524,25 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         if refused is not None:
             raise HTTPException(422, refused)
         gen = Generation(body.start_step, body.dp, body.batch_per_rank)
+        newest = coordinator.newest_step(name)
         try:
-            job = jobs.add_generation(name, gen, coordinator.newest_step(name), body.replan_served)
+            if etcd is None:
+                job = jobs.add_generation(name, gen, newest, body.replan_served)
+            else:
+                job = await asyncio.to_thread(jobs.add_generation, name, gen, newest, body.replan_served)
         except JobConflict as exc:
             raise HTTPException(409, str(exc)) from exc
         except JobError as exc:
             raise HTTPException(422, str(exc)) from exc
+        except EtcdUnavailable as exc:
+            raise HTTPException(503, f"cannot write job {name!r}'s record: {exc}") from exc
         log.info("new generation", extra={"job": name, **body.model_dump()})
         return _job_view(job, catalog)
 
-    def check_tid(job: Job, dp_rank: int, step: int) -> Generation:
+    def check_tid(job: Job, dp_rank: int, step: int, planner: Planner | None = None) -> Generation:
         try:
             job.check_step(step)
-            gen, _ = job.planner.generation_at(step)
+            gen, _ = (planner or job.planner).generation_at(step)
         except ValueError as exc:
             raise HTTPException(416, str(exc)) from exc
         if dp_rank >= gen.dp:
@@ -476,6 +551,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/jobs/{name}/plan", responses=_errors(404, 409, 416, 422))
     def get_plan(name: PathName, dp_rank: DpRank, step: Step) -> dict[str, Any]:
+        refresh(name)
         job = job_or_error(name)
         check_tid(job, dp_rank, step)
         plan = job.planner.plan(dp_rank, step)
@@ -490,12 +566,11 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     )
     async def stream_batches(name: PathName, dp_rank: DpRank, start: Step, count: Count = 1) -> Response:
         """The batches of ``dp_rank`` for steps ``start .. start+count-1`` as one Arrow IPC stream."""
-        job = job_or_error(name)
+        job = await job_or_error_async(name)
         if count > config.max_steps_per_request:
             raise HTTPException(413, f"count={count} exceeds the limit of {config.max_steps_per_request} steps per request")
         steps = range(start, start + count)
-        batch_sizes = [check_tid(job, dp_rank, step).batch_per_rank for step in steps]
-        dataset = catalog.opened(job.spec.dataset)
+        dataset = catalog.opened(job.spec.dataset)  # a job's dataset is fixed: plans change, not it
         sample_bytes = catalog.known_sample_bytes(job.spec.dataset)
         try:
             if dataset is None or sample_bytes is None:
@@ -505,22 +580,29 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             raise HTTPException(409, f"job {name!r}'s dataset is gone: {exc.args[0]}") from exc
         except (DatasetError, OSError) as exc:
             raise HTTPException(503, f"job {name!r}'s dataset cannot be read: {exc}") from exc
-        step_bytes = [b * sample_bytes for b in batch_sizes]
-        total = sum(step_bytes)
-        if total > config.max_bytes_per_request:
-            fit = max(1, config.max_bytes_per_request // max(step_bytes))
-            raise HTTPException(
-                413,
-                f"{count} steps of ~{max(step_bytes)} bytes each would be ~{total} bytes, over the limit of "
-                f"{config.max_bytes_per_request} bytes per request; ask for count={fit} or fewer",
-            )
-        try:
-            jobs.note_served(job, start + count - 1)  # before any byte leaves
-        except OSError as exc:
-            raise HTTPException(503, f"cannot record the served step of job {name!r}: {exc}") from exc
+        for _ in range(_ADMIT_ATTEMPTS):
+            planner = job.planner
+            step_bytes = [check_tid(job, dp_rank, step, planner).batch_per_rank * sample_bytes for step in steps]
+            total = sum(step_bytes)
+            if total > config.max_bytes_per_request:
+                fit = max(1, config.max_bytes_per_request // max(step_bytes))
+                raise HTTPException(
+                    413,
+                    f"{count} steps of ~{max(step_bytes)} bytes each would be ~{total} bytes, over the limit of "
+                    f"{config.max_bytes_per_request} bytes per request; ask for count={fit} or fewer",
+                )
+            try:
+                if await jobs.admit(job, start + count - 1, planner):  # recorded served before any byte leaves
+                    break
+            except OSError as exc:
+                raise HTTPException(503, f"cannot record the served step of job {name!r}: {exc}") from exc
+            except (JobConflict, EtcdUnavailable) as exc:
+                raise HTTPException(503, f"cannot record the served step of job {name!r}: {exc}") from exc
+            job = job_or_error(name)  # another data server changed the job's plan: check the request again
+        else:
+            raise HTTPException(503, f"job {name!r}'s plan kept changing under this request; ask again")
 
         headers = {"X-FFplane-Steps": f"{start}-{start + count - 1}"}
-        planner = job.planner
         if count <= _WHOLE_BODY_STEPS and total <= _WHOLE_BODY_BYTES and max(step_bytes) <= _INLINE_STEP_BYTES:
             # Few small steps: one body with a Content-Length, encoded here on the loop. Chunked
             # streaming costs a chunk header per piece, and measured ~2x slower for single 4 MiB steps.
@@ -552,9 +634,9 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     # needs no lock (sync endpoints would run concurrently in the thread pool) and skip a thread hop.
     @app.post(
         "/v1/nodes/heartbeat",
-        dependencies=needs_token,
+        dependencies=[*needs_token, *leader_only],
         response_class=Response,
-        responses={200: {"model": RingView}, **_errors(401, 409, 413, 422)},
+        responses={200: {"model": RingView}, **_errors(401, 409, 413, 421, 422, 503)},
         openapi_extra=secured,
     )
     async def heartbeat(body: Heartbeat, request: Request) -> Response:
@@ -571,9 +653,15 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             raise HTTPException(422, str(exc)) from exc
         except MembershipConflict as exc:
             raise HTTPException(409, str(exc)) from exc
+        settled()  # recorded, but no view yet from a server that just took over
         return Response(coordinator.view_bytes(body.node_id), media_type="application/json")
 
-    @app.post("/v1/nodes/{node_id}/unreachable", dependencies=needs_token, responses=_errors(401, 404, 413, 422), openapi_extra=secured)
+    @app.post(
+        "/v1/nodes/{node_id}/unreachable",
+        dependencies=[*needs_token, *leader_only],
+        responses=_errors(401, 404, 413, 421, 422),
+        openapi_extra=secured,
+    )
     async def unreachable(node_id: NodeId, body: UnreachableReport) -> UnreachableAnswer:
         """A daemon reports that its ring successor ``node_id`` beats but takes no connection. The
         coordinator checks for itself: if the node does not answer it either, it leaves the ring
@@ -591,12 +679,15 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         log.warning("node reported unreachable and confirmed", extra={"node": node_id, "reporter": body.reporter, "address": m.address})
         return UnreachableAnswer(node_id=node_id, unreachable=True, detail=f"{m.address} does not answer; out of the ring until it does")
 
-    @app.get("/v1/nodes/view", response_class=Response, responses={200: {"model": RingView}, **_errors(422)})
+    @app.get(
+        "/v1/nodes/view", response_class=Response, responses={200: {"model": RingView}, **_errors(421, 422, 503)}, dependencies=leader_only
+    )
     async def nodes_view(node_id: Annotated[str | None, Query(max_length=_NAME_LEN)] = None) -> Response:
         """The ring view, as answered to heartbeats (with ``node_id``: that node's successor)."""
+        settled()
         return Response(coordinator.view_bytes(node_id), media_type="application/json")
 
-    @app.get("/v1/nodes")
+    @app.get("/v1/nodes", responses=_errors(421), dependencies=leader_only)
     async def nodes() -> dict[str, Any]:
         return {
             "ring": coordinator.ring(),
@@ -605,7 +696,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             "stats": coordinator.stats,
         }
 
-    @app.get("/v1/nodes/{node_id}", responses=_errors(404, 422))
+    @app.get("/v1/nodes/{node_id}", responses=_errors(404, 421, 422), dependencies=leader_only)
     async def node(node_id: NodeId) -> dict[str, Any]:
         m = coordinator.members.get(node_id)
         if m is None:
@@ -619,15 +710,24 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             "udp_beats": m.udp_beats,
         }
 
-    @app.get("/v1/jobs/{name}/status", responses=_errors(422))
+    @app.get("/v1/jobs/{name}/status", responses=_errors(421, 422, 503), dependencies=leader_only)
     async def job_status(name: PathName) -> dict[str, Any]:
         """Members, ring, dead nodes, restorable step and per-role shard locations of a job, and
         the newest step any daemon ever reported committed (``committed_step``, kept across
         restarts of this server): a restore that finds nothing although it is set must fail."""
+        settled()
         status = coordinator.status(name)
-        job = jobs.find(name)
+        newest = coordinator.newest_step(name)
+        try:
+            job = jobs.find(name) if etcd is None else await asyncio.to_thread(jobs.find, name)
+            if job is not None:
+                if etcd is None:
+                    jobs.note_committed(job, newest)
+                else:
+                    await asyncio.to_thread(jobs.note_committed, job, newest)
+        except EtcdUnavailable as exc:
+            raise HTTPException(503, f"cannot read or record job {name!r}'s committed step: {exc}") from exc
         if job is not None:
-            jobs.note_committed(job, coordinator.newest_step(name))
             status["committed_step"] = job.committed_step
         else:
             status["committed_step"] = coordinator.newest_step(name)

@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--dead-after-s", type=float, default=d.dead_after_s, help="declare a node dead after this much silence")
     srv.add_argument("--forget-dead-after-s", type=float, default=d.forget_dead_after_s, help="forget a dead node (and its shard inventory) after this long")  # fmt: skip
     srv.add_argument("--heartbeat-udp-port", type=int, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")  # fmt: skip
-    srv.add_argument("--etcd", default=None, help="etcd members host:port[,host:port...]: publish the nodes declared dead there, for torchrun's --rdzv-backend ffplane")  # fmt: skip
+    srv.add_argument("--etcd", default=None, help="etcd members host:port[,host:port...]: job records live there, so several data servers serve the same jobs and one at a time coordinates (a lease); the nodes declared dead are published for torchrun's --rdzv-backend ffplane")  # fmt: skip
+    srv.add_argument("--advertise-url", default=None, help="with --etcd: the URL daemons and the other data servers reach this one at (default http://HOST:PORT)")  # fmt: skip
     srv.add_argument("--log-level", default=d.log_level)
     return p
 
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         forget_dead_after_s=args.forget_dead_after_s,
         heartbeat_udp_port=args.heartbeat_udp_port,
         etcd=args.etcd,
+        advertise_url=args.advertise_url,
         log_level=args.log_level,
     )
     setup_logging(cfg_s.log_level)
@@ -91,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
             parse_endpoints(cfg_s.etcd)
         except ValueError as exc:
             print(f"dataserver serve: error: --etcd: {exc}", file=sys.stderr)
+            return 2
+        if cfg_s.host in ("0.0.0.0", "::", "") and not cfg_s.advertise_url:
+            print(
+                f"dataserver serve: error: --host {cfg_s.host} is no address others can reach; with --etcd pass --advertise-url "
+                "http://THIS_HOST:PORT (the coordinator's address daemons are sent to)",
+                file=sys.stderr,
+            )
             return 2
     token = load_token(cfg_s.token_file)
     if token is None:
@@ -108,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg_s.data_dir.is_dir():
         print(f"dataserver serve: error: --data-dir {cfg_s.data_dir} is not a directory", file=sys.stderr)
         return 2
-    serve(create_app(cfg_s, token), cfg_s.host, cfg_s.port, cfg_s.ready_file)
+    app = create_app(cfg_s, token)
+    serve(app, cfg_s.host, cfg_s.port, cfg_s.ready_file, on_bound=lambda port: setattr(cfg_s, "port", port))
     return 0
 
 

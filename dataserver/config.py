@@ -22,8 +22,16 @@ class ServeConfig:
     forget_dead_after_s: float = 600.0  # a dead node is forgotten (with its inventory) after this long
     sweep_s: float = 0.2  # how often silence is checked
     heartbeat_udp_port: int = 0  # UDP heartbeats (daemons learn it from their HTTP heartbeat); 0 any free port, -1 off
-    etcd: str | None = None  # etcd members (host:port,...): publish dead nodes for --rdzv-backend ffplane
+    etcd: str | None = None  # etcd members (host:port,...): job records, coordination lease, dead nodes for the rendezvous
+    advertise_url: str | None = None  # how daemons and other data servers reach this one; default http://HOST:PORT
     log_level: str = "info"
+
+    def url(self, port: int) -> str:
+        """This server's URL as the leader key names it (``port``: the one bound, for --port 0)."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{port}"
 
     def resolved_state_dir(self) -> Path:
         return self.state_dir or self.data_dir / ".ffplane-jobs"

@@ -191,13 +191,19 @@ class Coordinator:
         self.forget_after_s = forget_after_s  # a dead member is forgotten after this long
         self.max_members = max_members  # alive and not yet forgotten
         self.key = token.encode() if token else None
+        self.udp_port: int | None = None  # set once the UDP listener is bound
+        self.stats = {"udp_beats": 0, "udp_inventories": 0, "udp_rejected": 0, "udp_unknown": 0, "udp_replayed": 0, "http_beats": 0}
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every member, under a new view epoch: this server just took over coordination
+        (what it knew from an earlier turn is stale) or handed it over. The daemons register
+        again with their next full heartbeat."""
         self.members: dict[str, Member] = {}
         self._by_seen: OrderedDict[str, Member] = OrderedDict()  # alive members, least recently seen first
         self._dead_since: OrderedDict[str, float] = OrderedDict()  # dead members, longest dead first
         self._by_address: dict[tuple[str, int], str] = {}  # alive members' (host, port) → node id
         self.worker_exits: list[dict[str, Any]] = []
-        self.udp_port: int | None = None  # set once the UDP listener is bound
-        self.stats = {"udp_beats": 0, "udp_inventories": 0, "udp_rejected": 0, "udp_unknown": 0, "udp_replayed": 0, "http_beats": 0}
         # The ring view: a version bumped by every membership event, under a random epoch (a
         # restarted data server starts a new epoch, so no daemon mistakes old versions for new).
         self.epoch = int.from_bytes(os.urandom(8), "big")

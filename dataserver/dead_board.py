@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from dataserver.coordinator import Coordinator
 from dataserver.protocol.etcd import DEAD_PREFIX, Etcd, EtcdUnavailable
@@ -20,8 +21,9 @@ _REPAIR_S = 5.0  # with nothing changed, etcd is compared with the coordinator t
 
 
 class DeadBoard:
-    def __init__(self, etcd: Etcd, coordinator: Coordinator) -> None:
-        self._etcd, self._coordinator = etcd, coordinator
+    def __init__(self, etcd: Etcd, coordinator: Coordinator, leading: Callable[[], bool]) -> None:
+        """``leading``: whether this server coordinates now (only the one that does publishes)."""
+        self._etcd, self._coordinator, self._leading = etcd, coordinator, leading
         self._published: set[str] | None = None  # what etcd holds, as far as this process knows
 
     def _publish(self, dead: set[str], alive: set[str]) -> None:
@@ -41,6 +43,10 @@ class DeadBoard:
         last: tuple[set[str], set[str]] | None = None
         repaired = 0.0
         while True:
+            if not self._leading():
+                last, self._published = None, None  # a later turn reads back what etcd holds
+                await asyncio.sleep(every_s)
+                continue
             dead, alive = set(self._coordinator.dead()), set(self._coordinator.ring())
             if (dead, alive) != last or time.monotonic() - repaired > _REPAIR_S:
                 try:

@@ -121,6 +121,8 @@ class Job:
         self.served_step = served_step  # the newest step whose batches were handed out
         self.served_unknown = served_unknown  # its side file was unreadable at load
         self.committed_step: int | None = None  # the newest step a daemon reported committed, as far as we know
+        self.record_rev = 0  # the record's etcd mod_revision this planner was built from (0: a file)
+        self.served_rev = 0  # the served side key's etcd mod_revision (0: none, or a file)
 
     def check_step(self, step: int) -> None:
         if step < 0 or (self.spec.max_steps is not None and step >= self.spec.max_steps):
@@ -197,6 +199,13 @@ class JobRegistry:
             )
             return None, True, None
 
+    def refresh(self, name: str) -> None:
+        """Read ``name``'s record again where other servers may change it (files: nothing to do)."""
+
+    def known(self, name: str) -> bool:
+        """Whether ``name`` is in this registry's memory (a job or a broken one), without reading."""
+        return name in self._jobs or name in self._broken
+
     def find(self, name: str) -> Job | None:
         """The job, or None if it is unknown or broken."""
         return self._jobs.get(name)
@@ -238,43 +247,54 @@ class JobRegistry:
         ``replan_served``, after every step whose batches were handed out."""
         with self._lock:
             job = self.get(name)
-            spec = job.spec
-            start = gen.start_step
-            if spec.max_steps is not None and start >= spec.max_steps:
-                raise JobError(
-                    f"start_step {start} is at or past job {name!r}'s max_steps {spec.max_steps}; "
-                    f"a generation must start at a step below it"
-                )
-            last = spec.generations[-1]
-            if start <= last.start_step:
-                raise JobConflict(
-                    f"a new generation must start after step {last.start_step} (the current generation's start), got start_step={start}"
-                )
-            if committed_step is not None and start <= committed_step:
-                raise JobConflict(
-                    f"step {committed_step} of job {name!r} is committed (a node holds state saved after it): "
-                    f"a generation must start at step {committed_step + 1} or later"
-                )
-            if not replan_served:
-                if job.served_unknown:
-                    raise JobConflict(
-                        f"the newest step served for job {name!r} is unknown (its .served file was unreadable at start): "
-                        f"send replan_served=true if no reader trained on batches from step {start} on"
-                    )
-                if job.served_step is not None and start <= job.served_step:
-                    raise JobConflict(
-                        f"batches of job {name!r} up to step {job.served_step} have been served: a generation must "
-                        f"start at step {job.served_step + 1} or later, or send replan_served=true if the batches from "
-                        f"step {start} on were only prefetched by node caches and no worker trained on them"
-                    )
-            try:
-                planner = Planner(job.num_samples, spec.seed, [*spec.generations, gen])
-            except ValueError as exc:
-                raise JobError(str(exc)) from exc
-            new_spec = replace(spec, generations=[*spec.generations, gen])
+            planner = self._check_generation(job, gen, committed_step, replan_served)
+            new_spec = replace(job.spec, generations=[*job.spec.generations, gen])
             self._persist(new_spec)
             job.spec, job.planner = new_spec, planner
             return job
+
+    def _check_generation(self, job: Job, gen: Generation, committed_step: int | None, replan_served: bool) -> Planner:
+        """The planner ``job`` would have with ``gen`` appended; JobConflict/JobError if refused."""
+        spec, name = job.spec, job.spec.name
+        start = gen.start_step
+        if spec.max_steps is not None and start >= spec.max_steps:
+            raise JobError(
+                f"start_step {start} is at or past job {name!r}'s max_steps {spec.max_steps}; a generation must start at a step below it"
+            )
+        last = spec.generations[-1]
+        if start <= last.start_step:
+            raise JobConflict(
+                f"a new generation must start after step {last.start_step} (the current generation's start), got start_step={start}"
+            )
+        committed = max((s for s in (committed_step, job.committed_step) if s is not None), default=None)
+        if committed is not None and start <= committed:
+            raise JobConflict(
+                f"step {committed} of job {name!r} is committed (a node holds state saved after it): "
+                f"a generation must start at step {committed + 1} or later"
+            )
+        if not replan_served:
+            if job.served_unknown:
+                raise JobConflict(
+                    f"the newest step served for job {name!r} is unknown (its .served file was unreadable at start): "
+                    f"send replan_served=true if no reader trained on batches from step {start} on"
+                )
+            if job.served_step is not None and start <= job.served_step:
+                raise JobConflict(
+                    f"batches of job {name!r} up to step {job.served_step} have been served: a generation must "
+                    f"start at step {job.served_step + 1} or later, or send replan_served=true if the batches from "
+                    f"step {start} on were only prefetched by node caches and no worker trained on them"
+                )
+        try:
+            return Planner(job.num_samples, spec.seed, [*spec.generations, gen])
+        except ValueError as exc:
+            raise JobError(str(exc)) from exc
+
+    async def admit(self, job: Job, last_step: int, planned_with: Planner) -> bool:
+        """Before batches up to ``last_step`` of ``job`` leave: record them served. False when the
+        request was checked with another ``planned_with`` than the job's record has now (another
+        data server added a generation): the job is reloaded and the request must be checked again."""
+        self.note_served(job, last_step)
+        return planned_with is job.planner
 
     def note_served(self, job: Job, last_step: int) -> None:
         """Record, before they are sent, that batches up to ``last_step`` of ``job`` are served."""

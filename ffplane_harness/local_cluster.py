@@ -110,7 +110,7 @@ class LocalCluster:
         self.workdir, self.data_dir, self.token = workdir, data_dir, token
         self.shm_parent = shm_parent
         self.net = net
-        self.dataserver: Proc | None = None
+        self.dataservers: list[Proc] = []  # with --etcd there may be several; daemons are given them all
         self.daemons: list[Proc] = []
         self.roots: list[Path] = []
 
@@ -120,12 +120,44 @@ class LocalCluster:
         n = self.net.nodes[node]
         return n.addr, n.exec_argv
 
-    def start_dataserver(self, *extra: str, port: int = 0) -> Proc:
-        """Start (or restart, on the same ``port``) the data server."""
-        host, wrap = self._place(0)
+    @property
+    def dataserver(self) -> Proc | None:
+        """The first data server (the only one unless several were started)."""
+        return self.dataservers[0] if self.dataservers else None
+
+    @property
+    def dataserver_urls(self) -> str:
+        """Every data server's URL, comma-separated, as daemons take them (``--dataserver``)."""
+        return ",".join(d.url for d in self.dataservers)
+
+    def start_dataserver(self, *extra: str, port: int = 0, index: int = 0, node: int = 0) -> Proc:
+        """Start data server ``index`` (or restart it, on the same ``port``) in namespace ``node``."""
+        host, wrap = self._place(node)
         args = ["serve", "--data-dir", str(self.data_dir), "--host", host, "--port", str(port), *extra]
-        self.dataserver = start("dataserver", args, self.workdir, "dataserver", self.token, wrap=wrap)
-        return self.dataserver
+        proc = start("dataserver", args, self.workdir, f"dataserver{index or ''}", self.token, wrap=wrap)
+        if index < len(self.dataservers):
+            self.dataservers[index] = proc
+        else:
+            assert index == len(self.dataservers), "start data servers in index order"
+            self.dataservers.append(proc)
+        return proc
+
+    def leader(self, timeout_s: float = 30.0) -> Proc:
+        """The data server that coordinates now (with one, that one), waiting for one to."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for proc in self.dataservers:
+                try:
+                    if (
+                        proc.popen.poll() is None
+                        and json.loads(urllib.request.urlopen(f"{proc.url}/v1/leader", timeout=2).read())["leading"]
+                    ):
+                        return proc
+                except (OSError, ValueError, KeyError):
+                    pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no data server of {self.dataserver_urls} coordinates after {timeout_s:.0f} s")
+            time.sleep(0.1)
 
     def start_daemon(self, *extra: str, budget_mb: int = 1024, index: int | None = None) -> Proc:
         """Start daemon ``index`` (default: the next one); restarting an index reuses its root."""
@@ -138,7 +170,7 @@ class LocalCluster:
         args = [
             "serve",
             "--dataserver",
-            self.dataserver.url,
+            self.dataserver_urls,
             "--root",
             str(root),
             "--host",
@@ -176,7 +208,7 @@ class LocalCluster:
     def close(self) -> None:
         import shutil
 
-        for proc in [*self.daemons, *([self.dataserver] if self.dataserver else [])]:
+        for proc in [*self.daemons, *self.dataservers]:
             proc.stop()
         for root in self.roots:
             shutil.rmtree(root, ignore_errors=True)

@@ -15,7 +15,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     srv = sub.add_parser("serve", help="run the node daemon")
     d = DaemonConfig(dataserver="")
-    srv.add_argument("--dataserver", required=True, help="data server base URL, e.g. http://127.0.0.1:8470")
+    srv.add_argument(
+        "--dataserver",
+        required=True,
+        help="data server base URL, e.g. http://127.0.0.1:8470; several comma-separated (they share the batch fetches, one coordinates)",
+    )
     srv.add_argument("--root", type=Path, default=d.root, help="tmpfs directory for caches, slots and the index")
     srv.add_argument("--host", default="", help="address the ops and peer HTTP API listens on (default: 127.0.0.1 when the data server is on loopback, else the advertised address)")  # fmt: skip
     srv.add_argument("--advertise-address", default="", help="address other nodes' daemons reach this one at (default: this host's address on the route to the data server; never loopback or 0.0.0.0 across hosts)")  # fmt: skip

@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from statestore.dataservers import parse_urls
 from statestore.link_gate import GateConfig
 from statestore.protocol.files import DEFAULT_ROOT, SOCKET_NAME
 
 
 @dataclass
 class DaemonConfig:
-    dataserver: str  # base URL of the job's data server, e.g. http://10.0.0.1:8470
+    dataserver: str  # base URL of the job's data server, e.g. http://10.0.0.1:8470; several comma-separated
     root: Path = DEFAULT_ROOT  # on tmpfs; data cache, slots and the LMDB index live here
     host: str = ""  # ops and peer HTTP; default: 127.0.0.1 if the data server is on loopback, else the advertised address
     advertise_address: str = ""  # where peers reach this daemon; default: this host's address on the route to the data server
@@ -39,7 +40,7 @@ class DaemonConfig:
     def resolve_addresses(self) -> None:
         """Fill ``host`` and ``advertise_address``, or refuse a pair peers could not use. A daemon
         that advertised loopback or 0.0.0.0 got its own replicas back: a node loss then lost them."""
-        where = urlsplit(self.dataserver).hostname or ""
+        where = urlsplit(parse_urls(self.dataserver)[0]).hostname or ""
         local_ds = _loopback(where)
         if self.advertise_address and (_unspecified(self.advertise_address) or (_loopback(self.advertise_address) and not local_ds)):
             raise ValueError(
@@ -76,6 +77,7 @@ class DaemonConfig:
             self.node_id = socket.gethostname()
 
     def validate(self) -> None:
+        parse_urls(self.dataserver)  # ValueError naming an entry that is no URL
         for name, least in (("window", 1), ("keep_consumed", 0), ("fetch_concurrency", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")

@@ -20,6 +20,7 @@ from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.control import ControlServer
 from statestore.data_cache import DataCache
+from statestore.dataservers import DataServers
 from statestore.heartbeat import Heartbeat
 from statestore.index import Index
 from statestore.link_gate import LinkGate
@@ -114,7 +115,8 @@ class Daemon:
         stale = shm.reclaim_stale(root)
         self.index = self._open_index(root)
         self.gate = LinkGate(self.config.gate, root)
-        self.cache = cache = DataCache(self.config, self.index, self.token, self.gate)
+        self.servers = DataServers(self.config.dataserver)
+        self.cache = cache = DataCache(self.config, self.index, self.token, self.gate, self.servers)
         kept, dropped = cache.reattach()
         budget = self.config.budget_bytes
         # the three share one budget: each asks the others what they hold when it needs room
@@ -150,7 +152,7 @@ class Daemon:
         assert self.cache is not None and self.gate is not None and self.slots is not None and self.replicas is not None
         cfg, slots, replicas = self.config, self.slots, self.replicas
         await self.cache.start()
-        self.heartbeat = Heartbeat(cfg, slots, replicas, self.address, self.token)
+        self.heartbeat = Heartbeat(cfg, slots, replicas, self.address, self.token, self.servers)
         self.transport = HttpTransport(self.gate, self.token)
         await self.transport.start()
         corrupt = CorruptCopies(cfg.node_id, slots, replicas)
@@ -169,7 +171,7 @@ class Daemon:
             corrupt=corrupt,
             replicator=replicator,
             gate=self.gate,
-            dataserver=cfg.dataserver,
+            dataservers=self.servers,
             token=self.token,
         )
         if replicator is not None:

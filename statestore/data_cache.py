@@ -26,11 +26,15 @@ from dataserver.protocol.auth import bearer
 from dataserver.protocol.errors import CapacityError, FFPlaneError, FFTimeoutError, TransportError, UnavailableError, error_from
 from statestore import shm
 from statestore.config import DaemonConfig
+from statestore.dataservers import DataServers
 from statestore.index import Index
 from statestore.link_gate import LinkGate, Priority
 from statestore.protocol.files import step_file
 
 log = logging.getLogger(__name__)
+
+
+_CONNECT_S, _READ_S = 2.0, 10.0  # a data server that takes no connection / sends nothing this long is passed over
 
 
 class _PutOff(UnavailableError):
@@ -116,8 +120,9 @@ def _index_key(job: str, dp_rank: int, step: int) -> str:
 
 
 class DataCache:
-    def __init__(self, config: DaemonConfig, index: Index, token: str | None, gate: LinkGate | None) -> None:
+    def __init__(self, config: DaemonConfig, index: Index, token: str | None, gate: LinkGate | None, servers: DataServers) -> None:
         self.config = config
+        self.servers = servers
         self.index = index
         self.token = token
         self.streams: dict[tuple[str, int], Stream] = {}
@@ -156,7 +161,8 @@ class DataCache:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60),
+            # a server that died without a reset (its host lost) is passed over after these
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_S, sock_read=_READ_S),
             connector=aiohttp.TCPConnector(limit=self.config.fetch_concurrency * 2),
         )
 
@@ -321,8 +327,27 @@ class DataCache:
             stream.wake.set()
 
     async def _download(self, stream: Stream, step: int, tmp: Path, final: Path) -> CachedStep:
+        """Fetch ``step`` from the data server its turn falls to, or at once from the next one
+        when that one does not answer or answers 5xx (the same bytes: a batch is a pure function
+        of its TID)."""
+        error: FFPlaneError | None = None
+        for server in self.servers.for_step(stream.key, step):
+            try:
+                cached = await self._download_from(server, stream, step, tmp, final)
+            except FFPlaneError as exc:
+                if isinstance(exc, _PutOff) or not (isinstance(exc, TransportError) or exc.status >= 500):
+                    raise
+                self.servers.failed(server)
+                error = exc
+                continue
+            self.servers.answered(server)
+            return cached
+        assert error is not None
+        raise error
+
+    async def _download_from(self, server: str, stream: Stream, step: int, tmp: Path, final: Path) -> CachedStep:
         assert self._session is not None
-        url = f"{self.config.dataserver}/v1/jobs/{stream.job}/batches"
+        url = f"{server}/v1/jobs/{stream.job}/batches"
         token = stream.token or self.token
         headers = bearer(token)
         params = {"dp_rank": str(stream.dp_rank), "start": str(step), "count": "1"}
@@ -348,7 +373,7 @@ class DataCache:
                     raise TransportError(f"{stream.key} step {step}: body of {nbytes} bytes, Content-Length said {resp.content_length}")
         except aiohttp.ClientError as exc:
             shm.unlink(tmp)
-            raise TransportError(f"cannot fetch {stream.key} step {step} from {self.config.dataserver}: {exc}") from exc
+            raise TransportError(f"cannot fetch {stream.key} step {step} from {server}: {exc}") from exc
         except OSError as exc:  # ENOSPC: the tmpfs is full — a clear error, not a dropped reader
             shm.unlink(tmp)
             raise CapacityError(f"cannot cache {stream.key} step {step} in {self.config.root}: {exc}; the tmpfs is full") from exc

@@ -11,6 +11,7 @@ members' addresses.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -34,6 +35,7 @@ from dataserver.protocol.heartbeat import (
     encode_inventory,
 )
 from statestore.config import DaemonConfig
+from statestore.dataservers import DataServers
 from statestore.replicas import ReplicaStore
 from statestore.slots import SlotStore
 
@@ -41,10 +43,14 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    def __init__(self, config: DaemonConfig, slots: SlotStore, replicas: ReplicaStore | None, address: str, token: str | None) -> None:
+    def __init__(
+        self, config: DaemonConfig, slots: SlotStore, replicas: ReplicaStore | None, address: str, token: str | None, servers: DataServers
+    ) -> None:
         """``replicas``: listed in the inventory once complete; ``address``: the peer API's base
-        URL, as the other daemons reach it (the port is bound before the daemon starts)."""
+        URL, as the other daemons reach it (the port is bound before the daemon starts);
+        ``servers``: where the coordinator is."""
         self.config = config
+        self.servers = servers
         self.slots = slots
         self.token = token
         self.address = address
@@ -64,17 +70,17 @@ class Heartbeat:
     async def report_unreachable(self, node: str) -> None:
         """Tell the coordinator that ``node`` (this node's ring successor) takes no connection;
         it checks for itself and moves the ring past it."""
-        headers = bearer(self.token)
-        url = f"{self.config.dataserver.rstrip('/')}/v1/nodes/{node}/unreachable"
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-                async with session.post(url, json={"reporter": self.config.node_id}, headers=headers) as resp:
-                    if resp.status != 200:
-                        log.warning(
-                            "the coordinator did not take the report",
-                            extra={"node": node, "status": resp.status, "detail": (await resp.text())[:300]},
-                        )
-                        return
+                status, body = await self.servers.coordinator(
+                    session, "POST", f"/v1/nodes/{node}/unreachable", json={"reporter": self.config.node_id}, headers=bearer(self.token)
+                )
+            if status != 200:
+                log.warning(
+                    "the coordinator did not take the report",
+                    extra={"node": node, "status": status, "detail": body[:300].decode(errors="replace")},
+                )
+                return
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.warning("cannot report an unreachable successor", extra={"node": node, "error": str(exc)})
         self._now.set()  # beat now: the answer brings the new ring
@@ -156,7 +162,8 @@ class _Beats:
 
     def __init__(self, hb: Heartbeat, http: aiohttp.ClientSession) -> None:
         self.hb, self.http = hb, http
-        self.url = hb.config.dataserver.rstrip("/")
+        self.servers = hb.servers
+        self.acked_url = ""  # the coordinator that took the last full heartbeat (UDP beats go to it)
         self.headers = bearer(hb.token)
         self.key = hb.token.encode() if hb.token else None
         self.session_id = os.urandom(8)  # this process's UDP session, registered over HTTP
@@ -187,6 +194,7 @@ class _Beats:
         fits = Beat.room(hb.config.node_id, payload)
         if (
             self.acked is not None
+            and self.acked_url == self.servers.leader
             and self.acked[:2] == ident
             and not hb._exited
             and self.udp_port is not None
@@ -228,7 +236,9 @@ class _Beats:
             if self.udp_failures >= 3:  # UDP blocked on the way? HTTP only for a while
                 self.udp_off_until = time.monotonic() + 60
                 self.udp_failures = 0
-                log.warning("UDP heartbeats unanswered; using HTTP for 60 s", extra={"dataserver": self.url, "udp_port": self.udp_port})
+                log.warning(
+                    "UDP heartbeats unanswered; using HTTP for 60 s", extra={"dataserver": self.acked_url, "udp_port": self.udp_port}
+                )
             return False
         self.udp_failures = 0
         status, view, epoch, version = answer.status, answer.view, answer.epoch, answer.version
@@ -266,13 +276,13 @@ class _Beats:
         assert self.key is not None and self.udp_port is not None
         loop = asyncio.get_running_loop()
         try:
-            host = urllib.parse.urlsplit(self.url).hostname or "127.0.0.1"
+            host = urllib.parse.urlsplit(self.acked_url).hostname or "127.0.0.1"
             family, _, _, _, addr = (await loop.getaddrinfo(host, self.udp_port, type=socket.SOCK_DGRAM))[0]
             if self.transport is None or self.transport.get_extra_info("socket").family != family:
                 self.close()
                 self.transport, self.answers = await loop.create_datagram_endpoint(lambda: _Answers(self.key or b""), family=family)
         except OSError as exc:
-            log.warning("cannot open the UDP heartbeat socket", extra={"dataserver": self.url, "error": str(exc)})
+            log.warning("cannot open the UDP heartbeat socket", extra={"dataserver": self.acked_url, "error": str(exc)})
             self.udp_off_until = time.monotonic() + 60
             return False
         self.udp_addr = addr
@@ -293,17 +303,22 @@ class _Beats:
         if self.key is not None:
             body["udp"] = {"session": self.session_id.hex(), "counter": self.counter, "inv_version": self.counter}
         try:
-            async with self.http.post(f"{self.url}/v1/nodes/heartbeat", json=body, headers=self.headers) as resp:
-                if resp.status != 200:
-                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=(await resp.text())[:300])
-                answer = await resp.json()
+            # two tries: a server that no longer coordinates names the one that does
+            status, raw = await self.servers.coordinator(
+                self.http, "POST", "/v1/nodes/heartbeat", attempts=2, json=body, headers=self.headers
+            )
+            if status != 200:
+                raise ValueError(f"HTTP {status}: {raw[:300].decode(errors='replace')}")
+            answer = json.loads(raw)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             hb._exited = exited + hb._exited  # say it again next time
             hb.failed += 1
             if time.monotonic() - hb._last_warning > 10:
                 hb._last_warning = time.monotonic()
-                log.warning("heartbeat failed", extra={"dataserver": hb.config.dataserver, "error": str(exc)})
+                log.warning("heartbeat failed", extra={"dataserver": self.servers.leader, "error": str(exc)})
             return
+        if self.acked_url != self.servers.leader:
+            self.acked_url, self.udp_port, self.udp_addr = self.servers.leader, None, None  # another coordinator: its own UDP port
         hb.sent += 1
         self.acked, self.inv_version = (*ident, payload), self.counter
         if not (isinstance(answer, dict) and "members" in answer and "epoch" in answer):
@@ -317,11 +332,14 @@ class _Beats:
 
     async def _get_view(self) -> None:
         try:
-            async with self.http.get(f"{self.url}/v1/nodes/view", params={"node_id": self.hb.config.node_id}) as resp:
-                resp.raise_for_status()
-                self._set_view(await resp.json())
+            status, raw = await self.servers.coordinator(
+                self.http, "GET", "/v1/nodes/view", attempts=2, params={"node_id": self.hb.config.node_id}
+            )
+            if status != 200:
+                raise ValueError(f"HTTP {status}: {raw[:300].decode(errors='replace')}")
+            self._set_view(json.loads(raw))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
-            log.warning("cannot fetch the ring view", extra={"dataserver": self.url, "error": str(exc)})
+            log.warning("cannot fetch the ring view", extra={"dataserver": self.servers.leader, "error": str(exc)})
 
     def _set_view(self, answer: dict[str, Any]) -> None:
         self.epoch, self.version = int(answer["epoch"]), int(answer["version"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import aiohttp
 from dataserver.protocol.auth import bearer
 from dataserver.protocol.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
 from dataserver.protocol.restorable import Layouts, whole_steps
+from statestore.dataservers import DataServers
 from statestore.durable import write_shard
 from statestore.link_gate import LinkGate, Priority
 from statestore.protocol import durable
@@ -38,6 +40,9 @@ class DurableConfig:
         return self.directory is not None and self.every > 0 and step % self.every == 0
 
 
+_SETTLE_WAIT_S = 5.0  # how long a restore waits for a data server that just took over coordination
+
+
 class StateService:
     def __init__(
         self,
@@ -51,17 +56,17 @@ class StateService:
         corrupt: CorruptCopies,
         replicator: Replicator | None = None,
         gate: LinkGate | None = None,
-        dataserver: str = "",
+        dataservers: DataServers | None = None,
         token: str | None = None,
     ) -> None:
         """``transport`` pulls what a restore needs from other nodes; ``corrupt`` is shared with
         ``replicator`` (none: commits are not replicated); ``gate``: durable copies wait at it
-        too (the directory may be remote); ``dataserver``: the coordinator's base URL, for
+        too (the directory may be remote); ``dataservers``: where the coordinator is, for
         job-wide restores (none: restores from this node only)."""
         self.root, self.node_id = root, node_id
         self.slots, self.replicas, self.durable = slots, replicas, durable_cfg
         self.transport, self.replicator, self.gate = transport, replicator, gate
-        self.dataserver, self.token = dataserver, token
+        self.dataservers, self.token = dataservers, token
         self._corrupt = corrupt
         self._pinned: dict[str, int] = {}  # slot path → durable writes in progress
         self._tasks: set[asyncio.Task[None]] = set()
@@ -155,7 +160,7 @@ class StateService:
         has somewhere alive, and the shards of ``roles`` that are not here are pulled first. Without
         a coordinator, or without ``roles``, only what this daemon holds counts.
         """
-        if roles is not None and self.dataserver:
+        if roles is not None and self.dataservers is not None:
             status = await self._job_status(job)
             if status is None:  # guessing from this node alone could split the job across steps
                 raise UnavailableError("the coordinator (data server) did not answer, so no job-wide restore step can be chosen; ask again")
@@ -375,16 +380,19 @@ class StateService:
         }
 
     async def _job_status(self, job: str) -> dict[str, Any] | None:
-        headers = bearer(self.token)
+        assert self.dataservers is not None
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
-                async with session.get(f"{self.dataserver}/v1/jobs/{job}/status", headers=headers) as resp:
-                    if resp.status != 200:
-                        log.warning("coordinator answered %s; restoring from this node only", resp.status)
-                        return None
-                    status: dict[str, Any] = await resp.json()
-                    return status
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                # a server that just took over coordination answers 503 for a moment: wait it out
+                code, body = await self.dataservers.coordinator(
+                    session, "GET", f"/v1/jobs/{job}/status", headers=bearer(self.token), patience_s=_SETTLE_WAIT_S
+                )
+            if code != 200:
+                log.warning("coordinator answered %s; restoring from this node only", code)
+                return None
+            status: dict[str, Any] = json.loads(body)
+            return status
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             log.warning("coordinator unreachable (%s); restoring from this node only", exc)
             return None
 

@@ -166,20 +166,33 @@ class Etcd:
         """Write ``key`` only if its ``mod_revision`` is still ``mod_revision`` (0: only if it
         does not exist). Returns (the new revision, None) when written, else (None, what is there
         now, or None if nothing is)."""
-        b64 = _b64(key)
-        put: dict[str, Any] = {"key": b64, "value": _b64(value)}
-        if lease:
-            put["lease"] = str(lease)
+        rev, current = self.txn({key: mod_revision}, {key: value}, lease)
+        return rev, None if rev is not None else current[key]
+
+    def txn(self, expect: dict[bytes, int], puts: dict[bytes, bytes], lease: int = 0) -> tuple[int | None, dict[bytes, KeyValue | None]]:
+        """Write every key of ``puts`` (none: only check) in one transaction, only if every key of
+        ``expect`` still has that ``mod_revision`` (0: does not exist). Returns (the new revision,
+        {}) when it went through, else (None, what each expected key holds now)."""
+        keys = list(expect)
+        put_ops = []
+        for key, value in puts.items():
+            op: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+            if lease:
+                op["lease"] = str(lease)
+            put_ops.append({"request_put": op})
         body = {
-            "compare": [{"key": b64, "target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}],
-            "success": [{"request_put": put}],
-            "failure": [{"request_range": {"key": b64}}],
+            "compare": [{"key": _b64(k), "target": "MOD", "result": "EQUAL", "mod_revision": str(expect[k])} for k in keys],
+            "success": put_ops,
+            "failure": [{"request_range": {"key": _b64(k)}} for k in keys],
         }
         answer = self._call("/v3/kv/txn", body)
         if answer.get("succeeded"):
-            return int(answer["header"]["revision"]), None
-        kvs = answer["responses"][0]["response_range"].get("kvs", [])
-        return None, (_kv(kvs[0]) if kvs else None)
+            return int(answer["header"]["revision"]), {}
+        now: dict[bytes, KeyValue | None] = {}
+        for key, response in zip(keys, answer.get("responses", [])):
+            kvs = response["response_range"].get("kvs", [])
+            now[key] = _kv(kvs[0]) if kvs else None
+        return None, now
 
     # --- leases --------------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> tuple[int, int]:
