@@ -95,7 +95,7 @@ class System(LocalJobs):
             self.cluster.lose_node(self.placement[1])
             new = self.next_daemon
             self.next_daemon += 1
-            self.cluster.start_daemon(index=new, budget_mb=512)
+            self.start_daemon(new)
             self.until(lambda: f"n{new}" in self.status(job).get("ring", []))
             self.placement[1] = new
         nodes[1] = self.launch(job, self.placement[1], nodes[0].endpoint, job)
@@ -230,7 +230,7 @@ class SpareSystem(System):
                     continue
                 new = self.next_daemon  # the next spare: a fresh node
                 self.next_daemon += 1
-                self.cluster.start_daemon(index=new, budget_mb=512)
+                self.start_daemon(new)
                 self.until(lambda: f"n{new}" in self.status(job).get("ring", []))
                 nodes.append(self.launch_spare(job, new, nodes))
         self.finish(nodes)

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             step = last["step"]
             while (
                 len(
-                    httpx.get(f"{c.dataserver.url}/v1/jobs/bench/status")
+                    httpx.get(f"{c.dataservers[0].url}/v1/jobs/bench/status")
                     .json()["shard_locations"]
                     .get("dp0-pp0-tp0", {})
                     .get(str(step), [])

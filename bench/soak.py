@@ -54,6 +54,17 @@ KINDS = (
     "damage_index",
     "successor_unreachable",
 )
+# Kinds that need more of the deployment (``--kinds all`` takes them with the rest):
+# coordinating data server SIGKILLed (--data-servers 2), the node whose agent holds the workers'
+# store lost (--rendezvous ffplane), a worker SIGKILLed and its replacement SIGKILLed again while
+# it restores, and a node lost together with its ring successor (--durable-every: the restore
+# falls back to the durable tier, losing up to that many steps, with a warning that says so).
+EXTRA_KINDS = ("coordinator_kill", "rendezvous_host_loss", "kill_during_restore", "node_and_successor")
+NEEDS = {
+    "coordinator_kill": ("data_servers", "--data-servers 2"),
+    "rendezvous_host_loss": ("ffplane", "--rendezvous ffplane"),
+    "node_and_successor": ("durable", "--durable-every N"),
+}
 JOB, REFERENCE = "soak", "reference"
 
 
@@ -68,6 +79,7 @@ class Soak(LocalJobs):
         self.placement: list[int] = [0, 1]  # torchrun node position → daemon index
         self.records: list[dict[str, Any]] = []
         self._heal: list[Any] = []  # undone once the job has recovered (a port made unreachable)
+        self._note: dict[str, Any] = {}  # what the last failure adds to its record
 
     def progressed(self, nodes: list[TorchrunNode], beyond: int, since: float, timeout_s: float = 180) -> bool:
         """Whether every rank saved a step past ``beyond`` after ``since`` (or the job finished)."""
@@ -95,18 +107,11 @@ class Soak(LocalJobs):
         elif kind == "daemon_kill":
             d = self.placement[pos]
             self.cluster.daemons[self._daemon_slot(d)].kill()
-            self.cluster.start_daemon(index=d, budget_mb=512)
+            self.start_daemon(d)
         elif kind == "node_loss":
             # position 0's agent hosts the c10d rendezvous store: torchrun's one point of failure
-            # (an etcd rendezvous removes it); the soak loses the other node
-            old = self.placement[1]
-            nodes[1].kill()
-            self.cluster.lose_node(old)
-            new = len(self.cluster.roots)
-            self.cluster.start_daemon(index=new, budget_mb=512)
-            self.until(lambda: f"n{new}" in self.status(JOB).get("ring", []))
-            nodes[1] = self.launch(JOB, new, nodes[0].endpoint, JOB)
-            self.placement[1] = new
+            # (the ffplane rendezvous removes it: rendezvous_host_loss); this loses the other node
+            hit = self._lose(nodes, 1)
         elif kind == "link_cut":
             d = self.placement[pos]
             # a coordinator restarted a moment ago learns the job's nodes from their next full
@@ -124,7 +129,26 @@ class Soak(LocalJobs):
             assert self.cluster.dataserver is not None
             port = int(self.cluster.dataserver.ready["port"])  # type: ignore[call-overload]
             self.cluster.dataserver.kill()
-            self.cluster.start_dataserver(port=port)
+            self.start_dataserver(0, port)
+        elif kind == "coordinator_kill":  # the coordinating one of several: another takes over; a supervisor restarts it
+            leader = self.cluster.leader()
+            slot = self.cluster.dataservers.index(leader)
+            port = int(leader.ready["port"])  # type: ignore[call-overload]
+            leader.kill()
+            self._coordinator = None
+            self.start_dataserver(slot, port)
+        elif kind == "rendezvous_host_loss":
+            rank0 = next(e["node"] for e in reversed(self.events(JOB)) if e["kind"] == "saved" and e["rank"] == 0)
+            hit = self._lose(nodes, next(i for i, d in enumerate(self.placement) if f"n{d}" == rank0))
+        elif kind == "kill_during_restore":
+            node = f"n{self.placement[pos]}"
+            os.kill(self.worker_pid(node, time.time() - 30, JOB), signal.SIGKILL)
+            # the replacement reports "restoring" once its process group is up: kill it there
+            again = self.until(lambda: self._restoring(node, hit) is not None, timeout_s=60)
+            os.kill(int(self._restoring(node, hit) or 0), signal.SIGKILL)
+            self._note = {"second_kill_after_s": round(again - hit, 2)}
+        elif kind == "node_and_successor":
+            hit = self._lose_all(nodes)
         elif kind == "corrupt_copy":
             hit = self._corrupt_and_kill(pos, nodes)
         elif kind == "damage_index":
@@ -136,7 +160,7 @@ class Soak(LocalJobs):
                 data.write_bytes(self.rng.randbytes(data.stat().st_size))  # garbled: LMDB refuses it
             else:
                 shutil.rmtree(index)  # gone: the daemon would forget every slot
-            self.cluster.start_daemon(index=d, budget_mb=512)
+            self.start_daemon(d)
         elif kind == "successor_unreachable":
             d = self.placement[pos]
             proc = self.cluster.daemons[self._daemon_slot(d)]
@@ -146,6 +170,40 @@ class Soak(LocalJobs):
         else:
             raise ValueError(f"unknown failure kind {kind!r}; choose from {KINDS}")
         return hit
+
+    def _lose(self, nodes: list[TorchrunNode], pos: int) -> float:
+        """Node ``pos`` is gone (torchrun, workers, daemon, shared memory); a replacement joins."""
+        old, endpoint = self.placement[pos], nodes[pos].endpoint
+        hit = time.time()
+        nodes[pos].kill()
+        self.cluster.lose_node(old)
+        new = len(self.cluster.roots)
+        self.start_daemon(new)
+        self.until(lambda: f"n{new}" in self.status(JOB).get("ring", []))
+        nodes[pos] = self.launch(JOB, new, endpoint, JOB)
+        self.placement[pos] = new
+        return hit
+
+    def _lose_all(self, nodes: list[TorchrunNode]) -> float:
+        """A node and its ring successor at once — with two nodes, both: every in-memory copy of
+        the job's state is gone, the job is launched again on two new nodes and must restore from
+        the durable tier (a clear warning, up to --durable-every steps back)."""
+        hit = time.time()
+        for pos in range(len(nodes)):
+            nodes[pos].kill()
+            self.cluster.lose_node(self.placement[pos])
+        fresh = []
+        for _ in nodes:
+            fresh.append(len(self.cluster.roots))
+            self.start_daemon(fresh[-1])
+        self.until(lambda: all(f"n{d}" in self.status(JOB).get("ring", []) for d in fresh))
+        self.placement = fresh
+        nodes[:] = self.launch_job(JOB, fresh)
+        return hit
+
+    def _restoring(self, node: str, since: float) -> int | None:
+        """The pid of a worker on ``node`` that began restoring after ``since``, if any."""
+        return next((int(e["pid"]) for e in self.events(JOB) if e["kind"] == "restoring" and e["node"] == node and e["t"] > since), None)
 
     def _until_redundant(self, timeout_s: float = 60) -> None:
         """Wait until both nodes replicate to each other again and trail by at most a commit.
@@ -193,7 +251,7 @@ class Soak(LocalJobs):
         print(f"  n{d}'s port did not answer after the heal: restarting its daemon", flush=True)
         self.records[-1]["healed_by_restart"] = True
         proc.kill()
-        self.cluster.start_daemon(index=d, budget_mb=512)
+        self.start_daemon(d)
 
     def _corrupt_and_kill(self, pos: int, nodes: list[TorchrunNode]) -> float:
         """Flip bytes in one copy of the newest committed version of a role on the node — its
@@ -279,6 +337,11 @@ class Soak(LocalJobs):
                 "steps_lost": steps_lost(done_before, restored[0]["step"]) if restored else 0,
                 "seconds_to_progress": round(time.time() - failed_at, 2),
             }
+            if kind == "node_and_successor":  # the workers said where their state came from
+                logs = "".join(p.read_text(errors="replace") for p in self.work.glob(f"{JOB}-n*.log"))
+                rec["durable_warning"] = "from the durable tier" in logs
+            rec.update(self._note)
+            self._note = {}
             self.records.append(rec)
             for undo in self._heal:
                 undo()
@@ -319,15 +382,23 @@ class Soak(LocalJobs):
         bitwise = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         exactly_once, detail = self.data_exactly_once()
         recs = self.records
+        memory = [r for r in recs if r["kind"] != "node_and_successor"]  # restored from another node's memory
+        durable = [r for r in recs if r["kind"] == "node_and_successor"]
         return {
             "failures": len(recs),
             "by_kind": dict(Counter(r["kind"] for r in recs)),
             "recovered": sum(r["recovered"] for r in recs),
             "unrecoverable": sum(not r["recovered"] for r in recs),
             "lost_steps": {
-                "total": sum(r["steps_lost"] for r in recs),
-                "max": max((r["steps_lost"] for r in recs), default=0),
+                "total": sum(r["steps_lost"] for r in memory),
+                "max": max((r["steps_lost"] for r in memory), default=0),
                 "by_kind": {k: max(r["steps_lost"] for r in recs if r["kind"] == k) for k in {r["kind"] for r in recs}},
+            },
+            # a node and its successor at once: no copy in any memory; bounded by --durable-every
+            "durable_fallback": {
+                "failures": len(durable),
+                "max_lost": max((r["steps_lost"] for r in durable), default=0),
+                "warned": all(r.get("durable_warning") for r in durable),
             },
             "data_exactly_once": exactly_once,
             "data_detail": detail,
@@ -365,17 +436,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--failures", type=int, default=200)
     ap.add_argument("--steps", type=int, default=0, help="job length (default: 21 per failure + 60)")
-    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, or 'all' (adds {', '.join(EXTRA_KINDS)})")
+    ap.add_argument("--data-servers", type=int, default=1, help="data servers sharing the job over etcd (coordinator_kill needs 2)")
+    ap.add_argument("--rendezvous", choices=["c10d", "ffplane"], default="c10d", help="torchrun's (rendezvous_host_loss needs ffplane)")
+    ap.add_argument(
+        "--durable-every", type=int, default=0, help="daemons copy to a durable tier every N steps (node_and_successor needs it)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt", help="the example job (as ffplane demo --model)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     ap.add_argument("--out", default="soak")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, events)")
     args = ap.parse_args(argv)
-    kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = set(kinds) - set(KINDS)
+    kinds = KINDS + EXTRA_KINDS if args.kinds == "all" else tuple(k for k in args.kinds.split(",") if k)
+    unknown = set(kinds) - set(KINDS + EXTRA_KINDS)
     if unknown:
-        ap.error(f"unknown kinds {sorted(unknown)}; choose from {','.join(KINDS)}")
+        ap.error(f"unknown kinds {sorted(unknown)}; choose from {','.join(KINDS + EXTRA_KINDS)}")
+    have = {"data_servers": args.data_servers >= 2, "ffplane": args.rendezvous == "ffplane", "durable": args.durable_every > 0}
+    for kind in kinds:
+        if kind in NEEDS and not have[NEEDS[kind][0]]:
+            ap.error(f"failure kind {kind} needs {NEEDS[kind][1]}")
     steps = (
         args.steps or 21 * args.failures + 60
     )  # 16.7 steps per failure in a 192-failure run of all eight kinds, redundancy awaited between failures
@@ -383,7 +463,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     soak = Soak(work, steps, args.seed, args.model)
     ok = False
     try:
-        soak.prepare([REFERENCE, JOB], rows=max(4096, 32 * (steps + 1)))
+        durable = ["--durable-dir", str(work / "durable"), "--durable-every", str(args.durable_every)] if args.durable_every else []
+        soak.prepare(
+            [REFERENCE, JOB],
+            rows=max(4096, 32 * (steps + 1)),
+            servers=args.data_servers,
+            rendezvous=args.rendezvous,
+            daemon_args=durable,
+        )
         result = soak.run(args.failures, kinds)
         ok = True
     finally:
@@ -397,6 +484,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "kinds": list(kinds),
         "seed": args.seed,
         "model": args.model,
+        "data_servers": args.data_servers,
+        "rendezvous": args.rendezvous,
+        "durable_every": args.durable_every,
         "nodes": 2,
         "workers_per_node": 2,
     }
@@ -410,4 +500,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     r = main()
-    sys.exit(0 if r["unrecoverable"] == 0 and r["bitwise_equal"] and r["data_exactly_once"] and r["lost_steps"]["max"] <= 1 else 1)
+    durable_ok = r["durable_fallback"]["warned"] and r["durable_fallback"]["max_lost"] <= max(1, r["config"]["durable_every"])
+    sys.exit(
+        0 if r["unrecoverable"] == 0 and r["bitwise_equal"] and r["data_exactly_once"] and r["lost_steps"]["max"] <= 1 and durable_ok else 1
+    )

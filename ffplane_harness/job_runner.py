@@ -11,6 +11,7 @@ import os
 import secrets
 import socket
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -52,16 +53,30 @@ class LocalJobs:
         self.max_restarts = 3  # per torchrun agent
         self.script_args: list[str] = []  # besides --job/--out/--steps
         self.warm = True  # restarted workers fork from a zygote with torch imported (warm_start)
-        # set by prepare(rendezvous="ffplane"): torchrun's rendezvous held by etcd, told of dead
-        # nodes by the data server (trainer_client.rendezvous)
+        # set by prepare(rendezvous="ffplane" or servers > 1): job records, coordination and (with
+        # the ffplane rendezvous) torchrun's rendezvous in etcd (trainer_client.rendezvous)
         self.etcd: EtcdCluster | None = None
+        self.rendezvous = "c10d"
+        self.daemon_args: list[str] = []  # besides the budget, for every daemon started (restarts too)
+        self.budget_mb = 512
+        self._dataserver_args: list[str] = []
+        self._coordinator: str | None = None  # the data server that answered status last
 
     # --- set-up --------------------------------------------------------------------------
     def prepare(
-        self, jobs: list[str], daemons: int = 2, dp: int = 4, rows: int = 4096, budget_mb: int = 512, rendezvous: str = "c10d"
+        self,
+        jobs: list[str],
+        daemons: int = 2,
+        dp: int = 4,
+        rows: int = 4096,
+        budget_mb: int = 512,
+        rendezvous: str = "c10d",
+        servers: int = 1,
+        daemon_args: list[str] | None = None,
     ) -> None:
-        """A generated token dataset, the data server, ``daemons`` node daemons and ``jobs``;
-        ``rendezvous="ffplane"`` also starts a 3-member etcd cluster for torchrun's rendezvous."""
+        """A generated token dataset, ``servers`` data servers, ``daemons`` node daemons and
+        ``jobs``; ``rendezvous="ffplane"`` or several servers also start a 3-member etcd cluster
+        (torchrun's rendezvous; the servers' shared job records and coordination lease)."""
         import numpy as np
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -73,29 +88,63 @@ class LocalJobs:
         pq.write_table(pa.table({"tokens": pa.array(list(table))}), self.work / "tokens.parquet")
         (self.work / "datasets").mkdir()
         ingest(IngestConfig([self.work / "tokens.parquet"], self.work / "datasets" / "tokens", progress=False))
-        extra: list[str] = []
-        if rendezvous == "ffplane":
+        self.rendezvous, self.budget_mb, self.daemon_args = rendezvous, budget_mb, list(daemon_args or [])
+        if rendezvous == "ffplane" or servers > 1:
             members = self.net.nodes[-3:] if self.net else []
             self.etcd = EtcdCluster(self.work, [m.addr for m in members] or None, [m.exec_argv for m in members] or None).start()
-            extra = ["--etcd", self.etcd.endpoints]
-        self.cluster.start_dataserver(*extra)
+            self._dataserver_args = ["--etcd", self.etcd.endpoints]
+        for i in range(servers):  # extra servers go in the namespaces just before etcd's
+            self.start_dataserver(i)
         for _ in range(daemons):
-            self.cluster.start_daemon(budget_mb=budget_mb)
+            self.start_daemon()
         for job in jobs:
             self.post("/v1/jobs", {"name": job, "dataset": "tokens", "dp": dp, "batch_per_rank": 8, "seed": 0, "max_steps": self.steps})
 
-    def post(self, path: str, body: dict[str, Any]) -> None:
-        assert self.cluster.dataserver is not None
+    def start_dataserver(self, index: int, port: int = 0) -> None:
+        """Data server ``index`` (or its restart, on ``port``), in its own namespace when there are any."""
+        node = 0 if index == 0 or self.net is None else len(self.net.nodes) - 3 - index
+        self.cluster.start_dataserver(*self._dataserver_args, port=port, index=index, node=node)
+
+    def start_daemon(self, index: int | None = None) -> None:
+        """Daemon ``index`` (default: the next; an index again: its restart, on the same root)."""
+        self.cluster.start_daemon(*self.daemon_args, budget_mb=self.budget_mb, index=index)
+
+    def coordinator_url(self) -> str:
+        """The data server that coordinates (with one, that one)."""
+        if self._coordinator is None:
+            self._coordinator = self.cluster.leader().url
+        return self._coordinator
+
+    def _ask(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         headers = {**bearer(self.token), "Content-Type": "application/json"}
-        req = urllib.request.Request(self.cluster.dataserver.url + path, json.dumps(body).encode(), headers, method="POST")
-        urllib.request.urlopen(req, timeout=10).read()
+        for attempt in range(2):  # the coordinator may have changed: find it once more
+            url = self.coordinator_url() + path
+            req = urllib.request.Request(
+                url, None if body is None else json.dumps(body).encode(), headers, method="GET" if body is None else "POST"
+            )
+            try:
+                result: dict[str, Any] = json.loads(urllib.request.urlopen(req, timeout=10).read())
+                return result
+            except urllib.error.HTTPError as exc:
+                if exc.code not in (421, 503) or attempt:
+                    raise
+            except OSError:
+                if attempt:
+                    raise
+            self._coordinator = None
+        raise AssertionError("unreachable")
+
+    def post(self, path: str, body: dict[str, Any]) -> None:
+        self._ask(path, body)
 
     def status(self, job: str) -> dict[str, Any]:
-        assert self.cluster.dataserver is not None
-        result: dict[str, Any] = json.loads(
-            urllib.request.urlopen(f"{self.cluster.dataserver.url}/v1/jobs/{job}/status", timeout=10).read()
-        )
-        return result
+        """The job's status from the coordinator ({} while a new coordinator settles)."""
+        try:
+            return self._ask(f"/v1/jobs/{job}/status")
+        except urllib.error.HTTPError as exc:
+            if exc.code == 503:
+                return {}
+            raise
 
     # --- workers ---------------------------------------------------------------------------
     def launch(self, job: str, daemon: int, endpoint: str, log_name: str, nnodes: int = 2, prestart: bool = False) -> TorchrunNode:
@@ -106,7 +155,7 @@ class LocalJobs:
         (self.events_dir / job).mkdir(exist_ok=True)
         env = {
             "FFPLANE_NODE": f"n{daemon}",
-            "FFPLANE_DATASERVER": self.cluster.dataserver.url,
+            "FFPLANE_DATASERVER": self.cluster.dataserver_urls,
             TOKEN_ENV: self.token,
             "FFPLANE_DAEMON_SOCKET": str(self.cluster.socket(daemon)),
             "FFPLANE_EVENTS_DIR": str(self.events_dir / job),
@@ -125,7 +174,7 @@ class LocalJobs:
             env=env,
             max_restarts=self.max_restarts,
             host=not any(n.running() and n.run_id == job for n in self.nodes),
-            rdzv="ffplane" if self.etcd else "c10d",
+            rdzv=self.rendezvous,
             local_addr=place.addr if place else "127.0.0.1",
             wrap=place.exec_argv if place else None,
             warm_dir=Path(f"/dev/shm/ffw-{os.getpid()}-{len(self.nodes)}") if self.warm else None,  # a new node starts cold
@@ -136,13 +185,13 @@ class LocalJobs:
         return node
 
     def launch_job(self, job: str, daemons: list[int]) -> list[TorchrunNode]:
-        endpoint = self.etcd.endpoints if self.etcd else f"127.0.0.1:{_free_port()}"
+        endpoint = self.etcd.endpoints if self.rendezvous == "ffplane" and self.etcd else f"127.0.0.1:{_free_port()}"
         return [self.launch(job, d, endpoint, job, nnodes=len(daemons)) for d in daemons]
 
     def launch_spare(self, job: str, daemon: int, nodes: list[TorchrunNode]) -> TorchrunNode:
         """A warm spare for the running ``nodes`` of ``job``: its zygote started, its agent
         waiting beyond ``--nnodes`` (torch's redundancy list) to take a lost node's place."""
-        assert self.etcd is not None, "warm spares wait in the ffplane rendezvous: prepare(rendezvous='ffplane')"
+        assert self.rendezvous == "ffplane", "warm spares wait in the ffplane rendezvous: prepare(rendezvous='ffplane')"
         return self.launch(job, daemon, nodes[0].endpoint, job, nnodes=nodes[0].nnodes, prestart=True)
 
     def node_of(self, nodes: list[TorchrunNode], name: str) -> TorchrunNode:

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from dataserver.protocol.auth import bearer
-from dataserver.protocol.errors import CorruptError, TransportError, error_from
+from dataserver.protocol.errors import CorruptError, FFPlaneError, TransportError, error_from
 from statestore.protocol.control import Get, Invalidate, Open
 from statestore.protocol.files import step_file
 from trainer_client._daemon_client import DaemonClient
@@ -68,28 +68,37 @@ class DaemonSource:
 
 
 class HttpSource:
-    """Reads ``window`` steps per request straight from the data server (no daemon on this node)."""
+    """Reads ``window`` steps per request straight from the data server (no daemon on this node);
+    ``url`` may name several, comma-separated: a request goes to the next when one fails."""
 
     name = "dataserver"
 
     def __init__(self, url: str, job: str, dp_rank: int, token: str | None, timeout_s: float, window: int) -> None:
-        self.url, self.job, self.dp_rank = url.rstrip("/"), job, dp_rank
+        self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()]
+        self.url, self.job, self.dp_rank = self.urls[0], job, dp_rank
         self.token, self.timeout_s, self.window = token, timeout_s, window
         self.end_step: int | None = None  # the job's max_steps, set by the DataLoader
         self._buffered: dict[int, Step] = {}
 
     def _request(self, path: str, params: dict[str, Any] | None = None) -> bytes:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        req = urllib.request.Request(f"{self.url}{path}{query}", headers=bearer(self.token))
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                body: bytes = resp.read()
-                return body
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise error_from(exc.code, f"data server {self.url}{path}: {exc.code} {detail}") from exc
-        except (OSError, http.client.HTTPException) as exc:  # incl. a body cut short
-            raise TransportError(f"cannot reach the data server at {self.url}: {exc!r}") from exc
+        error: FFPlaneError | None = None
+        for _ in self.urls:  # the server that answered last first; a batch is the same from any
+            req = urllib.request.Request(f"{self.url}{path}{query}", headers=bearer(self.token))
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    body: bytes = resp.read()
+                    return body
+            except urllib.error.HTTPError as exc:
+                detail = exc.read().decode(errors="replace")[:500]
+                error = error_from(exc.code, f"data server {self.url}{path}: {exc.code} {detail}")
+                if exc.code < 500:
+                    raise error from exc
+            except (OSError, http.client.HTTPException) as exc:  # incl. a body cut short
+                error = TransportError(f"cannot reach the data server at {self.url}: {exc!r}")
+            self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+        assert error is not None
+        raise error
 
     def job_info(self) -> dict[str, Any]:
         info: dict[str, Any] = json.loads(self._request(f"/v1/jobs/{self.job}"))

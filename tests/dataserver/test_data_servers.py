@@ -67,6 +67,9 @@ def test_servers_share_job_records_and_one_coordinates(tmp_path: Path, data_dir:
         assert httpx.post(b.url + "/v1/jobs", json=JOB, headers=AUTH).status_code == 201  # created on a follower
         assert httpx.post(a.url + "/v1/jobs", json=JOB, headers=AUTH).status_code == 200  # the same job on the other
         assert httpx.post(a.url + "/v1/jobs", json={**JOB, "seed": 4}, headers=AUTH).status_code == 409
+        # a worker without a daemon given both servers, the first one down, reads from the other
+        direct = DataLoader("j1", 1, dataserver=f"http://127.0.0.1:9,{b.url}", token=TOKEN, socket_path=tmp_path / "none.sock", end_step=2)
+        assert [batch["_sample_index"].tolist() for batch in direct] == [_plan(a, 1, 0), _plan(a, 1, 1)]
         for step in range(10):  # served by b: a must know these steps are out
             assert _batch_indices(b, 0, step) == _plan(a, 0, step)
         assert httpx.get(a.url + "/v1/jobs/j1").json()["served_step"] == 9
