@@ -365,6 +365,11 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"detail": _validation_detail(exc)}, status_code=422)
 
+    @app.exception_handler(EtcdUnavailable)
+    async def etcd_down(request: Request, exc: EtcdUnavailable) -> JSONResponse:
+        # job records live in etcd (--etcd): without a quorum nothing can be read or recorded
+        return JSONResponse({"detail": f"job records cannot be reached: {exc}"}, status_code=503)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 400:  # FastAPI's answer to a body it cannot decode (not UTF-8)
@@ -421,7 +426,10 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
 
     async def job_or_error_async(name: str) -> Job:
         if not jobs.known(name):  # a job another data server created: its record is read off the loop
-            await asyncio.to_thread(jobs.find, name)
+            try:
+                await asyncio.to_thread(jobs.find, name)
+            except EtcdUnavailable as exc:
+                raise HTTPException(503, f"cannot read job {name!r}'s record: {exc}") from exc
         return job_or_error(name)
 
     def layout_refusal(dp: int, batch_per_rank: int, sample_bytes: int) -> str | None:
@@ -446,7 +454,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     async def leader() -> dict[str, Any]:
         """Whether this server coordinates, and which one does (with several data servers)."""
         url = config.url(config.port)
-        return {"url": url, "leading": lead.leading, "leader": url if etcd is None else leadership.leader if leadership else None}
+        return {"url": url, "leading": lead.leading, "leader": leadership.leader if leadership is not None else url}
 
     @app.get("/v1/datasets")
     def list_datasets() -> list[dict[str, Any]]:
@@ -594,9 +602,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             try:
                 if await jobs.admit(job, start + count - 1, planner):  # recorded served before any byte leaves
                     break
-            except OSError as exc:
-                raise HTTPException(503, f"cannot record the served step of job {name!r}: {exc}") from exc
-            except (JobConflict, EtcdUnavailable) as exc:
+            except (OSError, JobConflict, EtcdUnavailable) as exc:
                 raise HTTPException(503, f"cannot record the served step of job {name!r}: {exc}") from exc
             job = job_or_error(name)  # another data server changed the job's plan: check the request again
         else:
