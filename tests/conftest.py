@@ -19,6 +19,7 @@ from tests._servers import TOKEN, Proc, start
 if TYPE_CHECKING:
     from ffplane_harness.etcd_cluster import EtcdCluster
     from ffplane_harness.local_cluster import LocalCluster
+    from ffplane_harness.netns import Netns
 
 SEQ_LEN = 16
 
@@ -128,6 +129,24 @@ def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
         pytest.skip(str(available()))
     with EtcdCluster(tmp_path) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def net() -> Iterator[Netns | None]:
+    """Seven network namespaces on 1 Gbit/s links when root (data servers, training nodes and
+    three etcd members each on a node of their own), else None (everything on loopback); deleted
+    afterwards, even on failure."""
+    from ffplane_harness.netns import Netns, available, leftovers
+
+    if available():
+        yield None
+        return
+    n = Netns(7, rate="1gbit")
+    try:
+        yield n
+    finally:
+        n.close()
+    assert not [x for x in leftovers() if x.startswith(n.tag)]
 
 
 @contextmanager

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import signal
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 
 from dataserver.protocol.etcd import DEAD_PREFIX
 from ffplane_harness.etcd_cluster import EtcdCluster
 from ffplane_harness.local_cluster import LocalCluster
-from ffplane_harness.netns import Netns, leftovers
-from ffplane_harness.netns import available as netns_available
+from ffplane_harness.netns import Netns
 from tests._servers import TOKEN, Proc, start, until
 from trainer_client import DataLoader
 
@@ -95,20 +92,6 @@ def test_servers_share_job_records_and_one_coordinates(tmp_path: Path, data_dir:
     finally:
         for p in procs:
             p.kill()
-
-
-@pytest.fixture
-def net() -> Iterator[Netns | None]:
-    """Seven namespaces when root (two data servers, two nodes, three etcd members), else None."""
-    if netns_available():
-        yield None
-        return
-    n = Netns(7, rate="1gbit")
-    try:
-        yield n
-    finally:
-        n.close()
-    assert not [x for x in leftovers() if x.startswith(n.tag)]
 
 
 def test_the_coordinating_server_sigkilled_mid_epoch_readers_go_on_exactly_once_and_another_takes_over(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,8 +17,7 @@ import torch
 
 from ffplane_harness.etcd_cluster import EtcdCluster, available
 from ffplane_harness.job_runner import LocalJobs
-from ffplane_harness.netns import Netns, leftovers
-from ffplane_harness.netns import available as netns_available
+from ffplane_harness.netns import Netns
 from trainer_client.rendezvous import EtcdRendezvousBackend, EtcdStore
 
 STEPS = 24
@@ -45,21 +43,6 @@ def test_the_store_and_backend_keep_c10d_and_torch_semantics(etcd: EtcdCluster) 
     assert stale is not None and stale[:2] == (b"s1", ok[1]) and stale[2] is False
     newer = backend.set_state(b"s3", ok[1])
     assert newer is not None and newer[2] is True and backend.get_state() == (b"s3", newer[1])
-
-
-@pytest.fixture
-def net() -> Iterator[Netns | None]:
-    """Seven network namespaces (the data server, three training nodes, three etcd members) when
-    root, else None (everything on loopback); deleted afterwards, even on failure."""
-    if netns_available():
-        yield None
-        return
-    n = Netns(7, rate="1gbit")
-    try:
-        yield n
-    finally:
-        n.close()
-    assert not [x for x in leftovers() if x.startswith(n.tag)]
 
 
 def test_a_silenced_rank0_node_is_replaced_by_a_warm_spare_and_the_job_ends_bitwise(tmp_path: Path, net: Netns | None) -> None:
