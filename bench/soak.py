@@ -11,6 +11,17 @@ most one lost step each, every batch of the final history the one the failure-fr
     python bench/soak.py --failures 200        # the full soak (about an hour here)
     python bench/soak.py --failures 5          # what CI runs (tests/test_soak.py)
     python bench/soak.py --failures 16 --model fsdp2 --out soak_fsdp2   # the FSDP2 GPT (or fsdp2-dcp)
+    python bench/soak.py --failures 1000 --kinds all --data-servers 2 --rendezvous ffplane \
+        --durable-every 4 --out soak_1000     # every kind, thirteen (~20 s a failure here: hours)
+
+``--kinds all`` adds what needs more of the deployment: the coordinating data server SIGKILLed
+(another takes over; a supervisor restarts it), the node whose agent holds the workers' store lost
+(the ffplane rendezvous keeps no state on it), a worker SIGKILLed and its replacement SIGKILLed
+again once it reports ``restoring``, a worker SIGKILLed as an elastic re-plan (a new generation)
+is posted, and a node lost with its ring successor (with two nodes, both:
+the job is launched again on two new nodes and restores from the durable tier, up to
+``--durable-every`` steps back, each worker logging that it does; counted apart from the
+at-most-one-lost-step figure).
 
 Writes bench/results/soak.json (failures by kind, recovered, lost steps, data exactly-once,
 bitwise_equal, and every failure's record).
@@ -32,6 +43,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.error
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -57,9 +69,10 @@ KINDS = (
 # Kinds that need more of the deployment (``--kinds all`` takes them with the rest):
 # coordinating data server SIGKILLed (--data-servers 2), the node whose agent holds the workers'
 # store lost (--rendezvous ffplane), a worker SIGKILLed and its replacement SIGKILLed again while
-# it restores, and a node lost together with its ring successor (--durable-every: the restore
+# it restores, a worker SIGKILLed as an elastic re-plan is posted (a new generation of the same
+# layout: the batches stay the failure-free run's), and a node lost together with its ring successor (--durable-every: the restore
 # falls back to the durable tier, losing up to that many steps, with a warning that says so).
-EXTRA_KINDS = ("coordinator_kill", "rendezvous_host_loss", "kill_during_restore", "node_and_successor")
+EXTRA_KINDS = ("coordinator_kill", "rendezvous_host_loss", "kill_during_restore", "kill_during_replan", "node_and_successor")
 NEEDS = {
     "coordinator_kill": ("data_servers", "--data-servers 2"),
     "rendezvous_host_loss": ("ffplane", "--rendezvous ffplane"),
@@ -147,6 +160,8 @@ class Soak(LocalJobs):
             again = self.until(lambda: self._restoring(node, hit) is not None, timeout_s=60)
             os.kill(int(self._restoring(node, hit) or 0), signal.SIGKILL)
             self._note = {"second_kill_after_s": round(again - hit, 2)}
+        elif kind == "kill_during_replan":
+            hit = self._replan_and_kill(f"n{self.placement[pos]}")
         elif kind == "node_and_successor":
             hit = self._lose_all(nodes)
         elif kind == "corrupt_copy":
@@ -199,6 +214,26 @@ class Soak(LocalJobs):
         self.until(lambda: all(f"n{d}" in self.status(JOB).get("ring", []) for d in fresh))
         self.placement = fresh
         nodes[:] = self.launch_job(JOB, fresh)
+        return hit
+
+    def _replan_and_kill(self, node: str) -> float:
+        """Post a new generation a few steps ahead (every node's cache re-plans from it) and
+        SIGKILL a worker of ``node`` at once: the restart meets the re-plan mid-way."""
+        victim = self.worker_pid(node, time.time() - 30, JOB)
+        start = max(self.saved_steps(time.time() - 60, JOB).values()) + 3
+        for _ in range(5):  # training may pass the chosen step before the post lands: a later one
+            try:
+                self.post(f"/v1/jobs/{JOB}/generations", {"start_step": start, "dp": 4, "batch_per_rank": 8, "replan_served": True})
+                break
+            except urllib.error.HTTPError as exc:
+                if exc.code != 409:
+                    raise
+                start += 3
+        else:
+            raise RuntimeError(f"no generation could be added ahead of the job; logs in {self.work}")
+        hit = time.time()
+        os.kill(victim, signal.SIGKILL)
+        self._note = {"replan_at_step": start}
         return hit
 
     def _restoring(self, node: str, since: float) -> int | None:
