@@ -47,6 +47,7 @@ class LocalJobs:
         self.token = secrets.token_hex(16)
         self.events_dir = work / "events"
         self.events_dir.mkdir(parents=True)
+        self._events = _EventLog(self.events_dir)
         self.net = net
         self.cluster = LocalCluster(work, work / "datasets", self.token, net=net)
         self.nodes: list[TorchrunNode] = []
@@ -208,14 +209,7 @@ class LocalJobs:
 
     def events(self, job: str | None = None) -> list[dict[str, Any]]:
         """Every worker's events (of ``job``), oldest first, each with its ``job``."""
-        out = []
-        for f in self.events_dir.glob(f"{job or '*'}/events-*.jsonl"):
-            for line in f.read_text().splitlines():
-                try:
-                    out.append({**json.loads(line), "job": f.parent.name})
-                except ValueError:
-                    continue  # a line being written
-        return sorted(out, key=lambda e: e["t"])
+        return self._events.read(job)
 
     def wait_step(self, nodes: list[TorchrunNode], step: int, since: float, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
@@ -293,6 +287,43 @@ class LocalJobs:
         self.cluster.close()
         if self.etcd is not None:
             self.etcd.close()
+
+
+class _EventLog:
+    """The workers' event files, read incrementally: a long soak polls them ten times a second,
+    and re-reading every line of a run with ~10^5 events each time took a core from the job."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._read: dict[Path, int] = {}  # file → bytes parsed (whole lines)
+        self._merged: dict[str, list[dict[str, Any]]] = {}  # job → its events, oldest first
+
+    def read(self, job: str | None) -> list[dict[str, Any]]:
+        if job is None:
+            jobs = [d.name for d in self.root.iterdir() if d.is_dir()]
+            return sorted((e for j in jobs for e in self.read(j)), key=lambda e: e["t"])
+        merged = self._merged.setdefault(job, [])
+        new: list[dict[str, Any]] = []
+        for f in self.root.glob(f"{job}/events-*.jsonl"):
+            at = self._read.get(f, 0)
+            with open(f, "rb") as fh:
+                fh.seek(at)
+                data = fh.read()
+            whole = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next read
+            self._read[f] = at + len(whole)
+            for line in whole.splitlines():
+                try:
+                    new.append({**json.loads(line), "job": job})
+                except ValueError:
+                    continue
+        if new:
+            new.sort(key=lambda e: e["t"])
+            if merged and new[0]["t"] < merged[-1]["t"]:
+                merged.extend(new)
+                merged.sort(key=lambda e: e["t"])  # timsort: two sorted runs
+            else:
+                merged.extend(new)
+        return list(merged)  # the caller's to keep; the log goes on growing
 
 
 def steps_lost(done_before: int, restored_step: int) -> int:
