@@ -29,3 +29,13 @@ def test_a_short_soak_survives_every_failure_kind(tmp_path: Path) -> None:
 @pytest.mark.timeout(3600)  # ~25 min here; the suite's 300 s limit cut it short
 def test_the_full_soak_survives_200_failures(tmp_path: Path) -> None:
     _check(soak.main(["--failures", "200", "--results-dir", str(tmp_path)]), 200)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * 3600)  # ~2 h here
+def test_the_1000_failure_soak_of_every_kind(tmp_path: Path) -> None:
+    args = ["--failures", "1000", "--kinds", "all", "--data-servers", "2", "--rendezvous", "ffplane", "--durable-every", "4"]
+    result = soak.main([*args, "--results-dir", str(tmp_path), "--out", "soak_1000"])
+    _check(result, 1000)
+    fallback = result["durable_fallback"]
+    assert fallback["warned"] and fallback["max_lost"] <= soak.durable_bound(4), fallback  # type: ignore[index]
