@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--fetch-concurrency", type=int, default=d.fetch_concurrency)
     srv.add_argument("--fetch-retry-s", type=float, default=d.fetch_retry_s)
     srv.add_argument("--durable-dir", type=Path, default=None, help="directory of the durable tier (safetensors + JSON)")
-    srv.add_argument("--durable-every", type=int, default=d.durable_every, help="copy committed shards to --durable-dir every N steps (0 = off)")  # fmt: skip
+    srv.add_argument("--durable-every", type=int, default=d.durable_every, help="copy committed shards to --durable-dir every N steps (0 = off); copies are written behind the steps, so losing every copy in memory goes back up to 2N-1 steps")  # fmt: skip
     srv.add_argument("--node-id", default="", help="this node's name in the ring (default: host name)")
     srv.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)
     srv.add_argument("--no-replicate", action="store_true", help="do not push commits to the ring successor")
