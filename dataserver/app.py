@@ -9,6 +9,7 @@ on their token and size before the body is read (``httpserver.BodyGuard``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -57,7 +58,7 @@ from dataserver.jobs import (
 from dataserver.leadership import Leadership
 from dataserver.planner import Generation, Planner
 from dataserver.protocol.auth import load_token
-from dataserver.protocol.etcd import Etcd, EtcdUnavailable
+from dataserver.protocol.etcd import ALIVE_KEY, Etcd, EtcdUnavailable
 from dataserver.protocol.heartbeat import LEADER_HEADER
 from dataserver.shared_jobs import EtcdJobRegistry
 from dataserver.stream import MEDIA_TYPE, StepEncoder, WholeBody, encode_steps
@@ -287,6 +288,23 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     def on_lead_change(leading: bool, took_over: bool) -> None:
         coordinator.reset()
         lead.leading, lead.settled_at = leading, time.monotonic() + (settle_s if took_over else 0.0)
+        if leading and took_over and etcd is not None:
+            expect_previous(etcd)
+
+    def expect_previous(etcd: Etcd) -> None:
+        """The nodes the previous coordinator had alive join the ring at once, and one that never
+        beats here (lost in the hand-over) is declared dead like any other. Read here, on the
+        loop, before this server's dead board can overwrite the key."""
+        try:
+            kv = etcd.get(ALIVE_KEY, retry_s=1.0)
+            members = json.loads(kv.value) if kv is not None else {}
+            if not isinstance(members, dict):
+                raise ValueError(f"not a JSON object: {kv.value[:80]!r}" if kv is not None else "")
+        except (EtcdUnavailable, ValueError) as exc:
+            log.warning("cannot read the previous coordinator's nodes; they register with their next heartbeat", extra={"error": str(exc)})
+            return
+        added = coordinator.expect({str(n): str(a) for n, a in members.items()}, settle_s)
+        log.info("expecting the previous coordinator's nodes", extra={"nodes": added})
 
     leadership = Leadership(etcd, config.url(config.port), on_lead_change) if etcd is not None else None
 

@@ -291,6 +291,30 @@ class Coordinator:
             self.worker_exits.append({**w, "node": node_id, "at": time.time()})
         del self.worker_exits[:-256]
 
+    def expect(self, members: dict[str, str], grace_s: float) -> list[str]:
+        """Members another coordinator had alive (node id → address), taken on after it went: each
+        is in the ring until it has been silent ``grace_s + dead_after_s``, so a node lost in the
+        hand-over is still declared dead; one that registered already is left as it is. Returns
+        those added."""
+        seen = time.monotonic() + grace_s
+        added = []
+        for node_id, address in sorted(members.items()):
+            if node_id in self.members or len(self.members) >= self.max_members:
+                continue
+            try:
+                m = Member(node_id, address, 0, seen)
+            except AddressError:
+                continue
+            if m.address_key in self._by_address:
+                continue
+            self.members[node_id] = m
+            bisect.insort(self._ring, node_id)
+            self._by_address[m.address_key] = node_id
+            self._by_seen[node_id] = m  # its future last_seen can hold back a sweep by grace_s at most
+            self._changed(["+", node_id, address])
+            added.append(node_id)
+        return added
+
     def beat(self, b: Beat) -> Answer | None:
         """An authenticated UDP beat; returns the answer, or None to stay silent."""
         m = self.members.get(b.node_id)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from dataserver.coordinator import Coordinator
-from dataserver.protocol.etcd import DEAD_PREFIX, Etcd, EtcdUnavailable
+from dataserver.protocol.etcd import ALIVE_KEY, DEAD_PREFIX, Etcd, EtcdUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -25,29 +25,35 @@ class DeadBoard:
         """``leading``: whether this server coordinates now (only the one that does publishes)."""
         self._etcd, self._coordinator, self._leading = etcd, coordinator, leading
         self._published: set[str] | None = None  # what etcd holds, as far as this process knows
+        self._alive: dict[str, str] | None = None  # the alive members last written (node → address)
 
-    def _publish(self, dead: set[str], alive: set[str]) -> None:
-        """Blocking: make etcd's keys say ``dead``; a key of a node in ``alive`` goes."""
+    def _publish(self, dead: set[str], alive: dict[str, str]) -> None:
+        """Blocking: make etcd's keys say ``dead``; a key of a node in ``alive`` goes; ``alive``
+        (node → address) is written for a coordinator that takes over (``Coordinator.expect``)."""
+        if alive != self._alive:
+            self._etcd.put(ALIVE_KEY, json.dumps(alive).encode())
+            self._alive = dict(alive)
         if self._published is None:
             self._published = {kv.key[len(DEAD_PREFIX) :].decode() for kv in self._etcd.get_prefix(DEAD_PREFIX)}
         for node in sorted(dead - self._published):
             self._etcd.put(DEAD_PREFIX + node.encode(), json.dumps({"declared_at": time.time()}).encode())
             self._published.add(node)
             log.info("dead node published for the rendezvous", extra={"node": node})
-        for node in sorted(self._published & alive):
+        for node in sorted(self._published & alive.keys()):
             self._etcd.delete(DEAD_PREFIX + node.encode())
             self._published.discard(node)
 
     async def run(self, every_s: float) -> None:
         """Publish each change of the coordinator's dead set (and repair every few seconds)."""
-        last: tuple[set[str], set[str]] | None = None
+        last: tuple[set[str], dict[str, str]] | None = None
         repaired = 0.0
         while True:
             if not self._leading():
-                last, self._published = None, None  # a later turn reads back what etcd holds
+                last, self._published, self._alive = None, None, None  # a later turn reads back what etcd holds
                 await asyncio.sleep(every_s)
                 continue
-            dead, alive = set(self._coordinator.dead()), set(self._coordinator.ring())
+            members = self._coordinator.members
+            dead, alive = set(self._coordinator.dead()), {n: members[n].address for n in self._coordinator.ring()}
             if (dead, alive) != last or time.monotonic() - repaired > _REPAIR_S:
                 try:
                     await asyncio.to_thread(self._publish, dead, alive)

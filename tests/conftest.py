@@ -133,15 +133,15 @@ def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
 
 @pytest.fixture
 def net() -> Iterator[Netns | None]:
-    """Seven network namespaces on 1 Gbit/s links when root (data servers, training nodes and
-    three etcd members each on a node of their own), else None (everything on loopback); deleted
-    afterwards, even on failure."""
+    """Eight network namespaces on 1 Gbit/s links when root (data servers, training nodes and
+    three etcd members — the last three — each on a node of their own), else None (everything on
+    loopback); deleted afterwards, even on failure."""
     from ffplane_harness.netns import Netns, available, leftovers
 
     if available():
         yield None
         return
-    n = Netns(7, rate="1gbit")
+    n = Netns(8, rate="1gbit")
     try:
         yield n
     finally:

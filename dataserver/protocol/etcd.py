@@ -28,6 +28,8 @@ from dataserver.protocol.errors import UnavailableError
 # The nodes the coordinator declared dead: one key each, ``DEAD_PREFIX + node id``, put when it is
 # declared and deleted when it is back in the ring; its ``mod_revision`` orders it against joins.
 DEAD_PREFIX = b"/ffplane/nodes/dead/"
+# The coordinator's alive members (JSON node → address), for the one that takes over from it.
+ALIVE_KEY = b"/ffplane/nodes/alive"
 
 
 class EtcdUnavailable(UnavailableError):
