@@ -275,6 +275,8 @@ class _Zygote:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             while self.children or time.monotonic() - self.last_busy < self.idle_s:
+                if not self.path.exists():  # the node's folder was removed (``stop``): the node is gone
+                    break
                 conns: list[socket.socket] = list(self.by_conn)
                 ready, _, _ = select.select([self.listener.fileno(), self.wake_r, *(c.fileno() for c in conns)], [], [], 1.0)
                 for fd in ready:
