@@ -55,9 +55,9 @@ def test_servers_share_job_records_and_one_coordinates(tmp_path: Path, data_dir:
     try:
         a = _serve(tmp_path, data_dir, "a", "--state-dir", str(state), "--etcd", etcd.endpoints)
         procs.append(a)
+        assert httpx.get(a.url + "/v1/leader").json()["leading"] is True  # answered once it has campaigned
         b = _serve(tmp_path, data_dir, "b", "--state-dir", str(tmp_path / "b-jobs"), "--etcd", etcd.endpoints)
         procs.append(b)
-        assert httpx.get(a.url + "/v1/leader").json()["leading"] is True
         assert httpx.get(b.url + "/v1/leader").json() == {"url": b.url, "leading": False, "leader": a.url}
         assert httpx.get(b.url + "/v1/jobs/old").json()["served_step"] == 3  # imported from a's files, read by b
 
@@ -103,8 +103,8 @@ def test_the_coordinating_server_sigkilled_mid_epoch_readers_go_on_exactly_once_
     cluster = LocalCluster(tmp_path, data_dir, TOKEN, net=net)
     try:
         first = cluster.start_dataserver("--etcd", etcd.endpoints)
+        assert cluster.leader() is first  # the first leads before the second starts
         second = cluster.start_dataserver("--etcd", etcd.endpoints, index=1, node=4)
-        assert cluster.leader() is first
         steps = 2 * -(-300 // 16)  # two epochs of 300 samples, dp=2 x batch 8 per step
         assert httpx.post(second.url + "/v1/jobs", json={**JOB, "max_steps": steps}, headers=AUTH).status_code == 201
         for _ in range(3):  # n2 reads nothing: it is lost together with the coordinator
