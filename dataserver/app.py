@@ -12,11 +12,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, TypeVar, cast
 
 import aiohttp
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
@@ -59,11 +59,12 @@ from dataserver.leadership import Leadership
 from dataserver.planner import Generation, Planner
 from dataserver.protocol.auth import load_token
 from dataserver.protocol.etcd import ALIVE_KEY, Etcd, EtcdUnavailable
-from dataserver.protocol.heartbeat import LEADER_HEADER
+from dataserver.protocol.servers import LEADER_HEADER
 from dataserver.shared_jobs import EtcdJobRegistry
 from dataserver.stream import MEDIA_TYPE, StepEncoder, WholeBody, encode_steps
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 _WHOLE_BODY_STEPS = 4
 # The whole-body path materialises the response; above this (estimated) size it streams instead.
 _WHOLE_BODY_BYTES = 64 << 20
@@ -425,12 +426,10 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
 
     leader_only = [Depends(coordinating)]
 
-    def refresh(name: str) -> None:
-        """Blocking (sync routes): the job's record as etcd has it now, where other servers share it."""
-        try:
-            jobs.refresh(name)
-        except EtcdUnavailable as exc:
-            raise HTTPException(503, f"cannot read job {name!r}'s record: {exc}") from exc
+    # Registry calls from async routes: inline for the file registry, off the loop for etcd (a
+    # network round trip). etcd without a quorum answers 503 through ``etcd_down``.
+    async def registry(fn: Callable[..., _T], *args: Any) -> _T:
+        return fn(*args) if etcd is None else await asyncio.to_thread(fn, *args)
 
     def job_or_error(name: str) -> Job:
         try:
@@ -439,15 +438,10 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             raise HTTPException(404, str(exc.args[0])) from exc
         except JobBroken as exc:
             raise HTTPException(409, str(exc)) from exc
-        except EtcdUnavailable as exc:
-            raise HTTPException(503, f"cannot read job {name!r}'s record: {exc}") from exc
 
     async def job_or_error_async(name: str) -> Job:
-        if not jobs.known(name):  # a job another data server created: its record is read off the loop
-            try:
-                await asyncio.to_thread(jobs.find, name)
-            except EtcdUnavailable as exc:
-                raise HTTPException(503, f"cannot read job {name!r}'s record: {exc}") from exc
+        if not jobs.known(name):  # a job another data server created: its record is read first
+            await registry(jobs.find, name)
         return job_or_error(name)
 
     def layout_refusal(dp: int, batch_per_rank: int, sample_bytes: int) -> str | None:
@@ -523,7 +517,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/jobs/{name}", responses=_errors(404, 422))
     def get_job(name: PathName) -> JobView:
-        refresh(name)
+        jobs.refresh(name)  # other data servers may have changed it
         broken = jobs.broken(name)
         if broken is not None:
             return _broken_view(broken)
@@ -552,16 +546,11 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         gen = Generation(body.start_step, body.dp, body.batch_per_rank)
         newest = coordinator.newest_step(name)
         try:
-            if etcd is None:
-                job = jobs.add_generation(name, gen, newest, body.replan_served)
-            else:
-                job = await asyncio.to_thread(jobs.add_generation, name, gen, newest, body.replan_served)
+            job = await registry(jobs.add_generation, name, gen, newest, body.replan_served)
         except JobConflict as exc:
             raise HTTPException(409, str(exc)) from exc
         except JobError as exc:
             raise HTTPException(422, str(exc)) from exc
-        except EtcdUnavailable as exc:
-            raise HTTPException(503, f"cannot write job {name!r}'s record: {exc}") from exc
         log.info("new generation", extra={"job": name, **body.model_dump()})
         return _job_view(job, catalog)
 
@@ -577,7 +566,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/jobs/{name}/plan", responses=_errors(404, 409, 416, 422))
     def get_plan(name: PathName, dp_rank: DpRank, step: Step) -> dict[str, Any]:
-        refresh(name)
+        jobs.refresh(name)  # other data servers may have changed it
         job = job_or_error(name)
         check_tid(job, dp_rank, step)
         plan = job.planner.plan(dp_rank, step)
@@ -620,7 +609,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             try:
                 if await jobs.admit(job, start + count - 1, planner):  # recorded served before any byte leaves
                     break
-            except (OSError, JobConflict, EtcdUnavailable) as exc:
+            except (OSError, JobConflict) as exc:
                 raise HTTPException(503, f"cannot record the served step of job {name!r}: {exc}") from exc
             job = job_or_error(name)  # another data server changed the job's plan: check the request again
         else:
@@ -742,19 +731,10 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         settled()
         status = coordinator.status(name)
         newest = coordinator.newest_step(name)
-        try:
-            job = jobs.find(name) if etcd is None else await asyncio.to_thread(jobs.find, name)
-            if job is not None:
-                if etcd is None:
-                    jobs.note_committed(job, newest)
-                else:
-                    await asyncio.to_thread(jobs.note_committed, job, newest)
-        except EtcdUnavailable as exc:
-            raise HTTPException(503, f"cannot read or record job {name!r}'s committed step: {exc}") from exc
+        job = await registry(jobs.find, name)
         if job is not None:
-            status["committed_step"] = job.committed_step
-        else:
-            status["committed_step"] = coordinator.newest_step(name)
+            await registry(jobs.note_committed, job, newest)
+        status["committed_step"] = job.committed_step if job is not None else newest
         return status
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}})

@@ -2,6 +2,8 @@
 ffplane``, ``trainer_client.rendezvous``): a key per node declared dead, removed once the node is
 back in the ring. Agents read them to drop a dead peer at once instead of waiting out torch's
 keep-alive (decisions.md, "No single point of failure: etcd holds what outlives a host").
+Beside them, the alive members and their addresses (``ALIVE_KEY``), from which a data server
+that takes over coordination starts (``Coordinator.expect``). Only the coordinating server writes.
 """
 
 from __future__ import annotations

@@ -113,6 +113,35 @@ class JobSpec:
         return cls(**{k: v for k, v in raw.items() if k != "generations"}, generations=gens)
 
 
+def parse_record(raw: str | bytes, name: str) -> JobSpec:
+    """Job ``name``'s record as stored (a file's or an etcd key's bytes); raises what is wrong."""
+    spec = JobSpec.from_json(json.loads(raw))
+    if spec.name != name:
+        raise JobError(f"the record names job {spec.name!r}, not {name!r}")
+    return spec
+
+
+def parse_served(raw: str | bytes) -> tuple[int | None, int | None]:
+    """(served step, committed step) from a served side record; raises what is wrong."""
+    record = json.loads(raw)
+    steps = [record.get("served_step"), record.get("committed_step")]
+    for step in steps:
+        if step is not None and (type(step) is not int or step < 0):
+            raise ValueError(f"step {step!r}")
+    if steps[0] is None and "served_step" not in record:
+        raise KeyError("served_step")
+    return steps[0], steps[1]
+
+
+def broken_reason(where: str, exc: Exception) -> str:
+    """Why the record at ``where`` marks its job broken, for the job's view and the log."""
+    if isinstance(exc, KeyError):
+        return f"{where}: {exc.args[0] if exc.args else exc}"
+    if isinstance(exc, UnicodeDecodeError | json.JSONDecodeError):
+        return f"{where}: not a JSON job record (torn or hand-edited?): {exc}"
+    return f"{where}: {type(exc).__name__}: {exc}"
+
+
 class Job:
     def __init__(self, spec: JobSpec, num_samples: int, served_step: int | None = None, served_unknown: bool = False) -> None:
         self.spec = spec
@@ -157,18 +186,12 @@ class JobRegistry:
             name = path.name[: -len(".json")]
             spec: JobSpec | None = None
             try:
-                spec = JobSpec.from_json(json.loads(path.read_text()))
-                if spec.name != name:
-                    raise JobError(f"the record names job {spec.name!r}, not {name!r}")
+                spec = parse_record(path.read_text(), name)
                 served, unknown, committed = self._load_served(name)
                 self._jobs[name] = job = Job(spec, num_samples_of(spec.dataset), served, unknown)
                 job.committed_step = committed
             except Exception as exc:  # noqa: BLE001 - any failure of one record breaks only that job
-                reason = f"{path}: {type(exc).__name__}: {exc}"
-                if isinstance(exc, KeyError):
-                    reason = f"{path}: {exc.args[0] if exc.args else exc}"
-                if isinstance(exc, UnicodeDecodeError | json.JSONDecodeError):
-                    reason = f"{path}: not a JSON job record (torn or hand-edited?): {exc}"
+                reason = broken_reason(str(path), exc)
                 self._broken[name] = BrokenJob(name, reason, spec)
                 log.warning(
                     "job record unusable; the job is marked broken and the others are served", extra={"job": name, "reason": reason}
@@ -182,14 +205,8 @@ class JobRegistry:
         """(served step, whether the file was unreadable, committed step)."""
         path = self._served_path(name)
         try:
-            raw = json.loads(path.read_text())
-            steps = [raw.get("served_step"), raw.get("committed_step")]
-            for step in steps:
-                if step is not None and (type(step) is not int or step < 0):
-                    raise ValueError(f"step {step!r}")
-            if steps[0] is None and "served_step" not in raw:
-                raise KeyError("served_step")
-            return steps[0], False, steps[1]
+            served, committed = parse_served(path.read_text())
+            return served, False, committed
         except FileNotFoundError:
             return None, False, None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dataserver.jobs import BrokenJob, Job, JobConflict, JobError, JobRegistry, JobSpec
+from dataserver.jobs import BrokenJob, Job, JobConflict, JobRegistry, JobSpec, broken_reason, parse_record, parse_served
 from dataserver.planner import Generation, Planner
 from dataserver.protocol.etcd import Etcd, KeyValue
 
@@ -65,15 +65,17 @@ class EtcdJobRegistry(JobRegistry):
         for path in sorted(self.state_dir.glob("*.json")):
             name = path.name[: -len(".json")]
             try:
-                spec = JobSpec.from_json(json.loads(path.read_text()))
+                spec = parse_record(path.read_text(), name)
                 side = self.state_dir / f"{name}.served"
-                served = json.loads(side.read_text()) if side.exists() else None
-            except (OSError, ValueError) as exc:
+                served = side.read_bytes() if side.exists() else None
+                if served is not None:
+                    parse_served(served)  # an unreadable one is not carried over
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("job record file not imported into etcd", extra={"job": name, "path": str(path), "error": str(exc)})
                 continue
             puts = {_spec_key(name): json.dumps(spec.to_json()).encode()}
-            if isinstance(served, dict):
-                puts[_served_key(name)] = json.dumps(served).encode()
+            if served is not None:
+                puts[_served_key(name)] = served
             rev, _ = self._etcd.txn({_spec_key(name): 0}, puts)
             if rev is not None:
                 log.info("job record imported into etcd", extra={"job": name, "path": str(path)})
@@ -89,16 +91,12 @@ class EtcdJobRegistry(JobRegistry):
             if job is None or job.record_rev != spec_kv.mod_revision:
                 spec: JobSpec | None = None
                 try:
-                    spec = JobSpec.from_json(json.loads(spec_kv.value))
-                    if spec.name != name:
-                        raise JobError(f"the record names job {spec.name!r}, not {name!r}")
+                    spec = parse_record(spec_kv.value, name)
                     assert self._num_samples_of is not None, "load() first"
                     num_samples = self._num_samples_of(spec.dataset)
                     planner = Planner(num_samples, spec.seed, list(spec.generations))
                 except Exception as exc:  # noqa: BLE001 - one unusable record breaks only its job
-                    reason = f"etcd key {spec_kv.key.decode()}: {type(exc).__name__}: {exc}"
-                    if isinstance(exc, KeyError):
-                        reason = f"etcd key {spec_kv.key.decode()}: {exc.args[0] if exc.args else exc}"
+                    reason = broken_reason(f"etcd key {spec_kv.key.decode()}", exc)
                     if name not in self._broken:
                         log.warning("job record unusable; the job is marked broken", extra={"job": name, "reason": reason})
                     self._jobs.pop(name, None)
@@ -116,12 +114,8 @@ class EtcdJobRegistry(JobRegistry):
         if kv is None or kv.mod_revision <= job.served_rev:
             return
         try:
-            raw = json.loads(kv.value)
-            served, committed = raw.get("served_step"), raw.get("committed_step")
-            for step in (served, committed):
-                if step is not None and (type(step) is not int or step < 0):
-                    raise ValueError(f"step {step!r}")
-        except (ValueError, AttributeError) as exc:
+            served, committed = parse_served(kv.value)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             job.served_unknown = True
             log.warning(
                 "served-step key unreadable: generations of this job need replan_served", extra={"job": job.spec.name, "error": str(exc)}

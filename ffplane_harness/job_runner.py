@@ -6,6 +6,7 @@ workers' events (``$FFPLANE_EVENTS_DIR``). Used by ``ffplane demo``, the chaos s
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import secrets
@@ -301,7 +302,7 @@ class _EventLog:
     def read(self, job: str | None) -> list[dict[str, Any]]:
         if job is None:
             jobs = [d.name for d in self.root.iterdir() if d.is_dir()]
-            return sorted((e for j in jobs for e in self.read(j)), key=lambda e: e["t"])
+            return sorted((e for j in jobs for e in self.read(j)), key=_time)
         merged = self._merged.setdefault(job, [])
         new: list[dict[str, Any]] = []
         for f in self.root.glob(f"{job}/events-*.jsonl"):
@@ -317,13 +318,16 @@ class _EventLog:
                 except ValueError:
                     continue
         if new:
-            new.sort(key=lambda e: e["t"])
-            if merged and new[0]["t"] < merged[-1]["t"]:
-                merged.extend(new)
-                merged.sort(key=lambda e: e["t"])  # timsort: two sorted runs
-            else:
-                merged.extend(new)
+            new.sort(key=_time)
+            # only the tail from the oldest new event is re-sorted: other workers' newest lines
+            # may be later than it, the rest of the log is not
+            at = bisect.bisect_right(merged, new[0]["t"], key=_time)
+            merged[at:] = sorted(merged[at:] + new, key=_time)
         return list(merged)  # the caller's to keep; the log goes on growing
+
+
+def _time(event: dict[str, Any]) -> float:
+    return float(event["t"])
 
 
 def steps_lost(done_before: int, restored_step: int) -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from statestore.dataservers import parse_urls
+from dataserver.protocol.servers import parse_urls
 from statestore.link_gate import GateConfig
 from statestore.protocol.files import DEFAULT_ROOT, SOCKET_NAME
 

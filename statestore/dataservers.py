@@ -16,30 +16,14 @@ import logging
 import time
 import zlib
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 
-from dataserver.protocol.heartbeat import LEADER_HEADER
+from dataserver.protocol.servers import LEADER_HEADER, parse_urls
 
 log = logging.getLogger(__name__)
 
 _DOWN_S = 5.0  # a server that failed is tried last for this long
-
-
-def parse_urls(spec: str) -> list[str]:
-    """``"http://a:8470,http://b:8470"`` as a list; ValueError naming an entry that is no URL."""
-    urls = []
-    for item in (i.strip().rstrip("/") for i in spec.split(",")):
-        if not item:
-            continue
-        parts = urlsplit(item)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"data server {item!r} is not a URL like http://10.0.0.1:8470")
-        urls.append(item)
-    if not urls:
-        raise ValueError("no data server given: pass --dataserver http://HOST:PORT[,http://HOST:PORT...]")
-    return urls
 
 
 class DataServers:

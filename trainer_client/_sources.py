@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from dataserver.protocol.auth import bearer
 from dataserver.protocol.errors import CorruptError, FFPlaneError, TransportError, error_from
+from dataserver.protocol.servers import parse_urls
 from statestore.protocol.control import Get, Invalidate, Open
 from statestore.protocol.files import step_file
 from trainer_client._daemon_client import DaemonClient
@@ -74,7 +75,7 @@ class HttpSource:
     name = "dataserver"
 
     def __init__(self, url: str, job: str, dp_rank: int, token: str | None, timeout_s: float, window: int) -> None:
-        self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()]
+        self.urls = parse_urls(url)
         self.url, self.job, self.dp_rank = self.urls[0], job, dp_rank
         self.token, self.timeout_s, self.window = token, timeout_s, window
         self.end_step: int | None = None  # the job's max_steps, set by the DataLoader

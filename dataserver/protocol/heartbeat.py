@@ -27,9 +27,6 @@ MAX_INVENTORY_BYTES = 16 << 20  # decompressed
 KIND_BEAT, KIND_INV = 0, 1  # INV: the payload carries the inventory
 STATUS_OK, STATUS_UNKNOWN, STATUS_STALE = 0, 1, 2  # UNKNOWN: send a full HTTP heartbeat; STALE: resend the inventory
 VIEW_CURRENT, VIEW_EVENTS, VIEW_FULL = 0, 1, 2  # FULL: fetch GET /v1/nodes/view
-# With several data servers, one that does not coordinate answers the coordinator's HTTP routes
-# 421 with this header naming the one that does (empty while none does).
-LEADER_HEADER = "X-FFplane-Leader"
 
 
 def mac(key: bytes, data: bytes) -> bytes:

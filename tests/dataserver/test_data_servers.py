@@ -80,7 +80,9 @@ def test_servers_share_job_records_and_one_coordinates(tmp_path: Path, data_dir:
         # b planned step 12 with two ranks; its cached record is stale, and it must not serve it
         assert httpx.get(f"{b.url}/v1/jobs/j1/batches", params={"dp_rank": 1, "start": 12}, headers=AUTH).status_code == 416
         assert _batch_indices(b, 0, 12) == _plan(a, 0, 12) and len(_plan(a, 0, 12)) == 16
-        assert httpx.post(b.url + "/v1/nodes/heartbeat", json={}, headers=AUTH).status_code in (421, 422)
+        beat = {"node_id": "n9", "address": "http://127.0.0.1:9", "budget_bytes": 1 << 20}
+        r = httpx.post(b.url + "/v1/nodes/heartbeat", json=beat, headers=AUTH)  # a daemon's beat: sent on
+        assert r.status_code == 421 and r.headers["X-FFplane-Leader"] == a.url, r.text
 
         a.stop()  # a clean stop hands coordination over at once (the lease is revoked)
         until(lambda: httpx.get(b.url + "/v1/leader").json()["leading"], what="b coordinating after a stopped")
@@ -89,6 +91,11 @@ def test_servers_share_job_records_and_one_coordinates(tmp_path: Path, data_dir:
         assert httpx.get(again.url + "/v1/leader").json()["leader"] == b.url  # back as a follower
         view = httpx.get(again.url + "/v1/jobs/j1").json()
         assert view["served_step"] == 12 and [g["start_step"] for g in view["generations"]] == [0, 12]
+        for member in etcd.members:  # no quorum: what needs a job record says so, and nothing else breaks
+            member.kill()
+        r = httpx.get(again.url + "/v1/jobs/j1", timeout=30)
+        assert r.status_code == 503 and "job records cannot be reached" in r.json()["detail"], r.text
+        assert httpx.get(again.url + "/v1/health").status_code == 200
     finally:
         for p in procs:
             p.kill()
