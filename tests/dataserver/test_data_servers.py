@@ -4,6 +4,7 @@ through their daemons with every sample exactly once and the batches the plan na
 
 from __future__ import annotations
 
+import json
 import signal
 from collections import Counter
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from dataserver.protocol.etcd import DEAD_PREFIX
+from dataserver.protocol.etcd import ALIVE_KEY, DEAD_PREFIX
 from ffplane_harness.etcd_cluster import EtcdCluster
 from ffplane_harness.local_cluster import LocalCluster
 from ffplane_harness.netns import Netns
@@ -117,6 +118,9 @@ def test_the_coordinating_server_sigkilled_mid_epoch_readers_go_on_exactly_once_
         for _ in range(3):  # n2 reads nothing: it is lost together with the coordinator
             cluster.start_daemon("--window", "2")
         until(lambda: httpx.get(first.url + "/v1/nodes").json()["ring"] == ["n0", "n1", "n2"], what="three nodes registered")
+        # the coordinator keeps its alive nodes in etcd a sweep (0.2 s) after they change
+        alive = lambda: json.loads(getattr(etcd.client().get(ALIVE_KEY), "value", b"{}"))  # noqa: E731
+        until(lambda: sorted(alive()) == ["n0", "n1", "n2"], what="three nodes kept in etcd for a successor")
         loaders = [DataLoader("j1", r, token=TOKEN, socket_path=cluster.socket(r)) for r in range(2)]
         its = [iter(ld) for ld in loaders]
         seen: list[list[np.ndarray]] = [[], []]
