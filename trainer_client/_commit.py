@@ -34,6 +34,7 @@ from dataserver.protocol.errors import (
 )
 from statestore.protocol import control as proto
 from trainer_client._daemon_client import DaemonClient
+from trainer_client.pinned import Registration
 
 log = logging.getLogger(__name__)
 _MADV_POPULATE_WRITE = 23
@@ -56,8 +57,16 @@ class _Slot:
             pass
         self.path = path
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.pinned: Registration | None = None  # registered for CUDA copies on the first one
+
+    def pin(self) -> None:
+        if self.pinned is None:
+            self.pinned = Registration(self.tensor)
 
     def close(self) -> None:
+        if self.pinned is not None:
+            self.pinned.release()  # before the unmap; every copy into it has completed
+            self.pinned = None
         del self.tensor
         try:
             self.mm.close()
@@ -130,6 +139,10 @@ class CommitPipeline:
         if slot is None or not reserved:
             slot = self._begin_slot(step, nbytes)
         return slot, reserved, self._slots[slot.path].tensor
+
+    def pin(self, slot: proto.Grant) -> None:
+        """Page-lock ``slot``'s mapping for CUDA copies (once per slot; no-op without CUDA)."""
+        self._slots[slot.path].pin()
 
     def abort(self, slot: proto.Grant) -> None:
         """Give the slot back, or every later save would find none free."""

@@ -28,6 +28,7 @@ from statestore.protocol import control as proto
 from statestore.protocol import durable
 from statestore.protocol.shard import lineage as lineage_of
 from trainer_client._commit import CommitPipeline
+from trainer_client.pinned import Registration, cuda_present
 from trainer_client.razor import Layout
 from trainer_client.state_codec import decode
 
@@ -67,6 +68,7 @@ class RestoreAgreement:
         self.timeout_s = timeout_s
         self.copy = copy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-verify-{job}-{self.role}")
+        self._view_pins: list[Registration] = []  # the pinned shards restore(view=True) handed out
 
     def run(self, into: Any, view: bool, group: Any, mesh: Any = None) -> tuple[Restored | None, int]:
         """The agreed step's state (None on a fresh job) and the lineage it continues."""
@@ -161,8 +163,20 @@ class RestoreAgreement:
         if me is None:
             raise NotFoundError(f"step {step} has no shard for role {self.role}; roles present: {sorted(shards)}")
         owned = into is None and not view  # the caller gets tensors that no slot reuse can touch
-        header, storages = role_storages(self.role, shards, self.layout.dp_peers(), step, owned)
-        return Restored(step, decode(header, storages, into, copy=self.copy, mesh=mesh), source)
+        to_device = cuda_present() and (view or _holds_cuda(into) or (owned and _saved_on_device(me["header"])))
+        pins: list[Registration] | None = [] if to_device else None
+        header, storages = role_storages(self.role, shards, self.layout.dp_peers(), step, owned, pins)
+        try:
+            if owned and pins is not None:
+                storages = _onto_devices(header, storages, self.copy)
+            state = decode(header, storages, into, copy=self.copy, mesh=mesh)
+        finally:
+            if view:
+                self._view_pins.extend(pins or [])  # pinned host views, until close()
+            else:
+                for pin in pins or []:
+                    pin.release()  # every copy out of them has completed
+        return Restored(step, state, source)
 
     def _restorable(self, below: int | None, step: int | None = None) -> Found | None:
         try:
@@ -198,6 +212,9 @@ class RestoreAgreement:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for pin in self._view_pins:
+            pin.release()
+        self._view_pins = []
 
 
 def ask_restorable(call: Callable[[proto.Request], Any], req: proto.Restorable, timeout_s: float, role: str = "") -> proto.RestorableReply:
@@ -229,8 +246,10 @@ def reduce_min(group: Any, values: list[int]) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
-def map_shard(shard: dict[str, Any]) -> torch.Tensor:
-    """A shard's bytes as a uint8 tensor over a private (copy-on-write) mapping of its file."""
+def map_shard(shard: dict[str, Any], pins: list[Registration] | None = None) -> torch.Tensor:
+    """A shard's bytes as a uint8 tensor over a private (copy-on-write) mapping of its file;
+    with ``pins``, the mapping is also page-locked (read-only) for CUDA copies, its
+    registration appended there for the caller to release."""
     fd = os.open(shard["path"], os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -239,19 +258,25 @@ def map_shard(shard: dict[str, Any]) -> torch.Tensor:
         os.close(fd)
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     populate_read(whole.data_ptr(), size)
+    if pins is not None:
+        pins.append(Registration(whole, read_only=True))
     begin = int(shard["offset"])
     if begin + int(shard["nbytes"]) > size:
         raise CorruptError(f"shard {shard['path']} is shorter than its header says")
     return whole[begin : begin + int(shard["nbytes"])]
 
 
-def role_storages(role: str, shards: dict[str, Any], peers: list[str], step: int, owned: bool) -> tuple[dict[str, Any], list[torch.Tensor]]:
+def role_storages(
+    role: str, shards: dict[str, Any], peers: list[str], step: int, owned: bool, pins: list[Registration] | None = None
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """``role``'s shard header and its storages: private ones from its own shard, razored ones
-    rebuilt from its dp group's (``peers``) slices. ``owned``: copies no slot reuse can touch."""
+    rebuilt from its dp group's (``peers``) slices. ``owned``: copies no slot reuse can touch
+    (but for storages saved from a device, which go onto one: ``_onto_devices``). ``pins``:
+    page-lock the mapped shards (``map_shard``)."""
     me = shards[role]
     header: dict[str, Any] = me["header"]
-    mine = map_shard(me)
-    mapped = {r: map_shard(shards[r]) for r in peers if r in shards and r != role}
+    mine = map_shard(me, pins)
+    mapped = {r: map_shard(shards[r], pins) for r in peers if r in shards and r != role}
     pieces = [(shards[r]["header"]["piece"], shards[r]["header"]["private_nbytes"], mapped.get(r, mine)) for r in peers if r in shards]
     storages = []
     lo, hi = header["piece"]
@@ -265,8 +290,40 @@ def role_storages(role: str, shards: dict[str, Any], peers: list[str], step: int
         else:
             storages.append(_assemble(off, n, pieces, step))  # already a fresh buffer
             continue
-        storages.append(part.clone() if owned else part)
+        storages.append(part.clone() if owned and (pins is None or "device" not in entry) else part)
     return header, storages
+
+
+def _saved_on_device(header: dict[str, Any]) -> bool:
+    return any("device" in e for e in header["storages"])
+
+
+def _holds_cuda(node: Any) -> bool:
+    if isinstance(node, torch.Tensor):
+        return node.is_cuda
+    if isinstance(node, dict):
+        return any(_holds_cuda(v) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(_holds_cuda(v) for v in node)
+    return False
+
+
+def _onto_devices(
+    header: dict[str, Any], storages: list[torch.Tensor], copy: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
+) -> list[torch.Tensor]:
+    """Storages saved from a CUDA device copied onto it again (the current device where this
+    process has fewer), straight from the mapped (pinned) shard: a fresh restore of GPU state
+    comes back on the GPU."""
+    out = list(storages)
+    pairs = []
+    for i, entry in enumerate(header["storages"]):
+        if "device" in entry:
+            saved = torch.device(entry["device"])
+            index = saved.index if saved.index is not None and saved.index < torch.cuda.device_count() else torch.cuda.current_device()
+            out[i] = torch.empty(entry["nbytes"], dtype=torch.uint8, device=torch.device("cuda", index))
+            pairs.append((out[i], storages[i]))
+    copy(pairs)
+    return out
 
 
 def _assemble(off: int, n: int, pieces: list[tuple[list[int], int, torch.Tensor]], step: int) -> torch.Tensor:

@@ -10,6 +10,13 @@ False without saving (``on_busy="skip"``); a commit that failed raises there, on
 ``restore()`` returns the newest step every role of the job has committed intact (all roles
 restore the same step), reassembling the razored replicated state from the dp group's shards;
 ``restore(into=state)`` copies into the caller's tensors.
+
+CUDA state is copied device → slot directly, on a side stream per device, into the slot's pages
+registered as pinned memory once (``trainer_client.pinned``): no intermediate host buffer, no
+allocation per save. With ``overlap_with=optimizer`` the copy runs during the next forward and
+backward instead: ``save`` returns once the copies are queued, the commit is handed to the daemon
+when they complete, and the optimizer's ``step`` waits for them (a step pre-hook) — the weights
+cannot change before then. On CPU the same mode copies on a thread.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import logging
 import os
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +37,7 @@ import torch
 from statestore.protocol import files
 from trainer_client._commit import CommitPipeline
 from trainer_client._copy import copy_all
+from trainer_client._device_copy import CopyInFlight, copy_now, start_copies
 from trainer_client._restore import RestoreAgreement, Restored
 from trainer_client.events import emit
 from trainer_client.launch import check_restartable
@@ -62,10 +72,15 @@ class Checkpointer:
         on_busy: Literal["wait", "skip"] = "wait",
         timeout_s: float = 120.0,
         copy_threads: int | None = None,
+        overlap_with: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
     ) -> None:
         """``private_keys``: top-level state keys that are *not* replicated across the dp group
         (e.g. ``("optim",)`` with a ZeRO-sharded optimizer); everything else is razored.
-        ``copy_threads``: threads for the blocking copy (default: cores, at most 4)."""
+        ``copy_threads``: threads for the blocking copy (default: cores, at most 4).
+        ``overlap_with``: the optimizer(s) whose ``step`` is the next write to the saved state;
+        a save's copy then overlaps the next forward/backward and their ``step`` waits for it.
+        Anything else that writes saved tensors in place before that step (a GradScaler whose
+        step was skipped updates its scale) must call ``finish_copy()`` first."""
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
         check_restartable()
@@ -79,7 +94,7 @@ class Checkpointer:
         self.copy_threads = max(1, copy_threads or min(4, os.cpu_count() or 1))
         self._copiers: ThreadPoolExecutor | None = None
         self._commits = CommitPipeline(job, self.role, self.socket_path, timeout_s)
-        self._restore = RestoreAgreement(self._commits, job, self.layout, self.durable_dir, timeout_s, self._copy)
+        self._restore = RestoreAgreement(self._commits, job, self.layout, self.durable_dir, timeout_s, self._copy_any)
         self._encoded: Encoded | None = None  # the last save's, whose storage views encode reuses
         # in every header; a Checkpointer's layout is fixed (Layout is frozen, and never reassigned)
         self._layout_fields = {"role": self.role, "layout": asdict(self.layout), "layout_roles": self.layout.all_roles()}
@@ -89,6 +104,14 @@ class Checkpointer:
         # segment and step. Saves of a segment the job rewound from (a role that committed a step
         # the others never reached) carry another value, so a restore never mixes the two.
         self.lineage = 0
+        optimizers = [overlap_with] if isinstance(overlap_with, torch.optim.Optimizer) else list(overlap_with or [])
+        if not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise TypeError(f"overlap_with takes torch.optim.Optimizer objects, got {[type(o).__name__ for o in optimizers]}")
+        self.overlapped = bool(optimizers)
+        self._hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in optimizers]
+        self._background: ThreadPoolExecutor | None = None  # the overlapped host copy, then the commit
+        self._in_flight: Future[None] | None = None  # an overlapped save not yet handed to the daemon
+        self.last_overlap_wait_s = 0.0  # how long the last optimizer step waited for an overlapped copy
         _open.add(self)
 
     @property
@@ -103,6 +126,10 @@ class Checkpointer:
     def _save(self, step: int, state: Any, header: dict[str, Any] | None = None) -> bool:
         """``save``; ``header``: JSON fields for the shard header's static part (the DCP backend's
         catalogue), sent to the daemon only when they change."""
+        if self._in_flight is not None and not self._in_flight.done() and self.on_busy == "skip":
+            self.skipped += 1
+            return False
+        self.finish_copy()
         if not self._commits.ready(block=self.on_busy == "wait"):
             self.skipped += 1
             return False
@@ -117,12 +144,6 @@ class Checkpointer:
         private = enc.stream_nbytes["private"]
         nbytes = private + hi - lo
         slot, reserved, dst = self._commits.take_slot(step, nbytes)
-        try:
-            self._copy_into(dst, enc, lo, hi, private)
-        except BaseException:
-            self._commits.abort(slot)
-            raise
-        self.last_save_block_s = time.perf_counter() - started
         static = (
             enc.static_header()
             | self._layout_fields
@@ -134,12 +155,56 @@ class Checkpointer:
             }
             | (header or {})
         )
-        self._commits.post(step, slot, reserved, nbytes, enc.tree, static, self.last_save_block_s)
+
+        def commit(flight: CopyInFlight) -> None:
+            """Once the bytes are in the slot: the commit goes to the daemon (or the slot back)."""
+            try:
+                flight.wait()
+            except BaseException:
+                self._commits.abort(slot)
+                raise
+            if not self.overlapped:
+                self.last_save_block_s = time.perf_counter() - started
+            self._commits.post(step, slot, reserved, nbytes, enc.tree, static, self.last_save_block_s)
+
+        try:
+            pairs = self._pairs(dst, enc, lo, hi, private)
+            if any(s.is_cuda for _, s in pairs):
+                self._commits.pin(slot)  # once per slot: device → slot copies run asynchronously
+            flight = start_copies(pairs, self._copy, self._background_pool() if self.overlapped else None)
+        except BaseException:
+            self._commits.abort(slot)
+            raise
+        if self.overlapped:
+            self.last_save_block_s = time.perf_counter() - started  # the copies queued, not done
+            # on the host copy's thread, after it: the commit follows the last byte
+            self._in_flight = self._background_pool().submit(commit, flight)
+        else:
+            commit(flight)
         self.saves += 1
         emit("saved", step=step)
         return True
 
-    def _copy_into(self, dst: torch.Tensor, enc: Encoded, lo: int, hi: int, private: int) -> None:
+    def finish_copy(self) -> None:
+        """Wait until an overlapped save's bytes are in its slot and its commit handed to the
+        daemon (re-raising what went wrong); a no-op when none is in flight. The optimizers
+        given as ``overlap_with`` call it before their step."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            started = time.perf_counter()
+            in_flight.result()
+            self.last_overlap_wait_s = time.perf_counter() - started
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.finish_copy()
+
+    def _background_pool(self) -> ThreadPoolExecutor:
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-overlap-{self.role}")
+        return self._background
+
+    def _pairs(self, dst: torch.Tensor, enc: Encoded, lo: int, hi: int, private: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(slot part, source) for every storage byte range this role saves."""
         jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for entry, src in zip(enc.storages, enc.sources):
             if entry.stream == "private":
@@ -149,10 +214,14 @@ class Checkpointer:
             if a < b:  # the part of this storage inside this rank's slice
                 part = src if b - a == entry.nbytes else src[a - entry.offset : b - entry.offset]
                 jobs.append((dst[private + a - lo : private + b - lo], part))
-        self._copy(jobs)
+        return jobs
 
     def _copy(self, jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         copy_all(jobs, self._copiers_pool(), self.copy_threads)
+
+    def _copy_any(self, jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Host and device pairs (a restore into CUDA tensors), done when it returns."""
+        copy_now(jobs, self._copy)
 
     def _copiers_pool(self) -> ThreadPoolExecutor | None:
         if self.copy_threads < 2:
@@ -163,12 +232,15 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the last save is committed (raises, once, if its commit failed)."""
+        self.finish_copy()
         self._commits.ready(block=True)
         self._commits.raise_failed()
 
     def settle(self) -> None:
         """Wait until the last save is committed and replicated (never raises: ``save`` and
         ``wait`` report a failed commit)."""
+        if self._in_flight is not None:
+            futures_wait([self._in_flight])  # a failure stays for the next save or wait to raise
         self._commits.ready(block=True)
 
     # --- restore -------------------------------------------------------------------------
@@ -192,6 +264,7 @@ class Checkpointer:
         every rank must call ``restore``), so every role restores the same step.
         """
         emit("restoring")
+        self.finish_copy()
         restored, lineage = self._restore.run(into, view, _group() if agree else None, mesh)
         if restored is not None:
             self.lineage = next_lineage(lineage, restored.step)
@@ -201,9 +274,15 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the last commit, unmap slots, end the threads; safe to call twice."""
         _open.discard(self)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         try:
             self.wait()
         finally:
+            if self._background is not None:
+                self._background.shutdown(wait=True)
+                self._background = None
             self._restore.close()
             if self._copiers is not None:
                 self._copiers.shutdown(wait=True)

@@ -12,20 +12,24 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import pyarrow as pa
+import torch
 import xxhash
 
 from dataserver.protocol.auth import TOKEN_ENV
 from dataserver.protocol.errors import CorruptError, FFPlaneError, FFTimeoutError, TransportError
 from statestore.protocol import files
+from trainer_client._device_copy import StagedBatch, stage
 from trainer_client._sources import DaemonSource, HttpSource, Step
 from trainer_client.batches import Batch, StepBytes
 from trainer_client.events import emit, events_on
+from trainer_client.pinned import Registration, cuda_present
 from trainer_client.state_codec import LOADER_KIND
 
 log = logging.getLogger(__name__)
 
 DATASERVER_ENV = "FFPLANE_DATASERVER"
 _HELD_STEPS = 2  # steps handed out whose mapping the loader still holds (released by the look-ahead)
+_Fetched = tuple[Step, "StagedBatch | Registration | None"]  # a step, and its device copy or pinned mapping
 
 
 class DataLoader:
@@ -39,6 +43,12 @@ class DataLoader:
     A step is an optimizer step: with ``micro_batches=k`` (gradient accumulation) each step's
     batch comes as ``k`` micro-batches, its rows split as evenly as they go, so the job's
     ``max_steps`` counts optimizer steps.
+
+    ``device="cuda"``: tensor columns arrive on that device. The look-ahead thread copies the
+    next step while the current one trains (non-blocking, on a side stream, from the cached step's
+    pages registered as pinned memory with ``pin_memory=True``); the training thread gets tensors
+    whose copy has completed. ``pin_memory=True`` on a CPU loader pins the step so the caller's own
+    ``.to(device, non_blocking=True)`` runs asynchronously; without CUDA it does nothing.
 
     ``state_dict()`` is the position: the step the loader continues at. Saved with step ``s``
     through ``Checkpointer.save(s, ...)``, it is bound to that step — the restored run continues
@@ -61,7 +71,11 @@ class DataLoader:
         reconnect_s: float = 5.0,
         http_window: int = 4,
         micro_batches: int = 1,
+        device: str | torch.device | None = None,
+        pin_memory: bool = False,
     ) -> None:
+        self.device = _device(device)
+        self.pin_memory = pin_memory and cuda_present()
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches=}")
         self.micro_batches = micro_batches
@@ -82,13 +96,13 @@ class DataLoader:
         self._source: DaemonSource | HttpSource | None = None
         self._http: HttpSource | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: tuple[int, Future[Step]] | None = None
+        self._ahead: tuple[int, Future[_Fetched]] | None = None
         # Each step handed out, held until the look-ahead thread drops it two steps later. A
         # step's mapping is unmapped by whoever drops the last reference: without this, the
         # training thread did, the moment its loop let go of the previous batch — a munmap with a
         # TLB shootdown to the other core, in the middle of the step. bench/reader_steps.py: 0.79
         # → 0.65 ms per cached 4 MiB step (docs/decisions.md, "Data path, fourth pass").
-        self._held: deque[StepBytes] = deque()
+        self._held: deque[tuple[StepBytes, StagedBatch | Registration | None]] = deque()
         self.end_step = end_step
         self._generations: list[int] = []  # start steps of the job's generations, when known
         if self.dataserver:
@@ -132,9 +146,19 @@ class DataLoader:
         starts = [g for g in self._generations if g <= step]
         return starts[-1] if starts else None
 
-    def _fetch(self, step: int) -> Step:
+    def _fetch(self, step: int) -> _Fetched:
         while len(self._held) > _HELD_STEPS:  # on the look-ahead thread: unmapped here
-            self._held.popleft()
+            _, pinned = self._held.popleft()
+            if pinned is not None:
+                pinned.release()  # unpinned before the unmap, once its copy is done
+        found = self._fetch_plan_checked(step)
+        pin = Registration(torch.frombuffer(found[0].memory, dtype=torch.uint8), read_only=True) if self.pin_memory else None
+        if self.device is None:
+            return found, pin
+        # one step ahead: the copy onto the device runs while the training thread computes
+        return found, stage(found[0].to_torch(found[1]), self.device, pin)
+
+    def _fetch_plan_checked(self, step: int) -> Step:
         found = self._fetch_any(step)
         if not self._generations:
             return found
@@ -165,7 +189,7 @@ class DataLoader:
             self._source = self._connect()
             return self._source.get(step)
 
-    def _get(self, step: int) -> Step:
+    def _get(self, step: int) -> _Fetched:
         """Step ``step``, fetched by the look-ahead thread (``_prefetch`` starts it on the next).
 
         Every source call happens on that one thread, so sources need no locking; its
@@ -198,9 +222,9 @@ class DataLoader:
     def __iter__(self) -> Iterator[Any]:
         while self.end_step is None or self._next_step < self.end_step:
             step = self._next_step
-            step_bytes, batch, _meta = self._get(step)
-            self._held.append(step_bytes)
-            out = step_bytes.to_torch(batch)
+            (step_bytes, batch, _meta), staged = self._get(step)
+            self._held.append((step_bytes, staged))
+            out = staged.take() if isinstance(staged, StagedBatch) else step_bytes.to_torch(batch)
             if not self._served:
                 self._served = True
                 emit("data_ready", step=step)
@@ -243,11 +267,28 @@ class DataLoader:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool, self._ahead = None, None
+        for _, pinned in self._held:
+            if pinned is not None:
+                pinned.release()
         self._held.clear()
         for src in (self._source, self._http):
             if src is not None:
                 src.close()
         self._source = None
+
+
+def _device(device: str | torch.device | None) -> torch.device | None:
+    """The device tensor columns are moved to (None: they stay where the cache maps them)."""
+    if device is None:
+        return None
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise ValueError(f"DataLoader(device={device!r}): batches go to 'cpu' or a CUDA device")
+    if not cuda_present():
+        raise ValueError(f"DataLoader(device={device!r}): torch sees no CUDA device here; pass device='cpu' (or leave it out)")
+    return dev
 
 
 def _split(batch: Any, k: int) -> list[Any]:

@@ -33,7 +33,7 @@ def key_digests(state: Any, private_keys: frozenset[str], layout: Layout | None 
         h = xxhash.xxh3_64()
         for entry, source in zip(enc.storages, enc.sources):
             if entry.stream == "replicated":
-                h.update(source.numpy().data)
+                h.update(source.cpu().numpy().data)  # once, on the first save
         out[key] = h.intdigest() & ((1 << 62) - 1)  # an int64 for the collective
     return out
 

@@ -46,6 +46,7 @@ class StorageEntry:
     stream: str  # "replicated" (razored across the dp group) or "private" (this role's own)
     offset: int  # byte offset in its stream
     nbytes: int
+    device: str = "cpu"  # where it was saved from ("cuda:0"): a fresh restore puts it back there
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Encoded:
     tensors: list[TensorRef] = field(default_factory=list)
     tree: Any = None
     stream_nbytes: dict[str, int] = field(default_factory=lambda: {"replicated": 0, "private": 0})
-    storage_ids: dict[tuple[int, int], int] = field(default_factory=dict)  # (address, bytes) → index in storages
+    storage_ids: dict[tuple[str, int, int], int] = field(default_factory=dict)  # (device, address, bytes) → index in storages
 
     def header(self) -> dict[str, Any]:
         return {"tree": self.tree, **self.static_header()}
@@ -93,7 +94,10 @@ class Encoded:
                 }
                 for t in self.tensors
             ],
-            "storages": [{"stream": s.stream, "offset": s.offset, "nbytes": s.nbytes} for s in self.storages],
+            "storages": [
+                {"stream": s.stream, "offset": s.offset, "nbytes": s.nbytes, **({"device": s.device} if s.device != "cpu" else {})}
+                for s in self.storages
+            ],
             "stream_nbytes": dict(self.stream_nbytes),
         }
 
@@ -191,21 +195,25 @@ def encode(
         dtype = _NAMES.get(t.dtype)
         if dtype is None:
             raise StateError(f"state{_key(path)} has dtype {t.dtype}, which ffplane cannot save")
-        if not t.is_cpu:
-            t = t.detach().cpu()  # GPU state: the blocking part becomes the device-to-host copy
+        if not (t.is_cpu or t.is_cuda):
+            raise StateError(f"state{_key(path)} is on {t.device}; ffplane saves CPU and CUDA tensors")
         if t.layout is not torch.strided:
             raise StateError(f"state{_key(path)} is a {t.layout} tensor; save a dense tensor")
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        skey = (storage.data_ptr(), nbytes)
+        device = str(t.device)
+        skey = (device, storage.data_ptr(), nbytes)
         sid = enc.storage_ids.get(skey)
         if sid is None:
             sid = len(enc.storages)
             offset = enc.stream_nbytes[stream]
-            enc.storages.append(StorageEntry(stream, offset, nbytes))
+            # a CUDA storage is copied device → slot directly (Checkpointer: on a side stream)
+            enc.storages.append(StorageEntry(stream, offset, nbytes, device))
             known = prev_ids.get(skey)
             enc.sources.append(
-                torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)) if known is None else prev_sources[known]
+                torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (nbytes,), (1,))
+                if known is None
+                else prev_sources[known]
             )
             enc.stream_nbytes[stream] = offset + -(-nbytes // ALIGN) * ALIGN
             enc.storage_ids[skey] = sid

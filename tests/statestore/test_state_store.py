@@ -255,7 +255,7 @@ def test_failures_do_not_poison_later_saves_or_restores(
         ck.save(step, _state(step))
     ck.wait()
     calls = {"n": 0}
-    real = Checkpointer._copy_into
+    real = Checkpointer._copy
 
     def fail_once(self: Checkpointer, *a: object) -> None:
         calls["n"] += 1
@@ -263,7 +263,7 @@ def test_failures_do_not_poison_later_saves_or_restores(
             raise RuntimeError("injected copy failure")
         real(self, *a)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Checkpointer, "_copy_into", fail_once)
+    monkeypatch.setattr(Checkpointer, "_copy", fail_once)
     with pytest.raises(RuntimeError, match="injected"):
         ck.save(3, _state(3))
     ck.save(3, _state(3))  # the slot begun by the failed save was given back

@@ -427,3 +427,28 @@ def test_the_loader_unmaps_steps_two_behind_not_the_training_thread_at_once(
         assert not {s for s in mapped if 0 < s < step - 2}, f"at step {step}: {sorted(mapped)} (older ones are released)"
     assert torch.equal(kept, kept_copy)  # step 0 stays mapped for the view that uses it
     loader.close()
+
+
+def test_device_is_checked_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="'cpu' or a CUDA device"):
+        DataLoader("j1", 0, socket_path="/nonexistent.sock", device="mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
+            DataLoader("j1", 0, socket_path="/nonexistent.sock", device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batches_arrive_on_the_device_as_the_host_reads_them(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    create_job(dataserver, max_steps=12)
+    start_daemon()
+    common = {"dataserver": dataserver.url, "token": TOKEN, "socket_path": shm_root / "daemon.sock"}
+    host = _read_all(DataLoader("j1", 1, **common))  # type: ignore[arg-type]
+    pinned = DataLoader("j1", 1, pin_memory=True, **common)  # type: ignore[arg-type]
+    on_device = [{k: v.clone() for k, v in b.items()} for b in DataLoader("j1", 1, device="cuda", pin_memory=True, **common)]  # type: ignore[arg-type]
+    assert len(on_device) == len(host) == 12
+    for h, d in zip(host, on_device):
+        assert d["tokens"].is_cuda and torch.equal(d["tokens"].cpu(), h["tokens"])
+    first = next(iter(pinned))
+    assert first["tokens"].is_pinned()  # a CPU loader's pinned step: the caller's .to(non_blocking) is async
+    pinned.close()
