@@ -164,3 +164,32 @@ def test_path_cpu_smoke(tmp_path: Path) -> None:
     f = out["figures"]
     assert f["dataserver_ms"]["median"] > 0 and f["daemon_ms"]["median"] > 0 and f["stack_ms"]["median"] > 0
     assert abs(f["total_ms"]["median"] - sum(f[k]["median"] for k in ("dataserver_ms", "daemon_ms", "reader_ms"))) < 1e-6
+
+
+def test_gpu_checkpoint_smoke_on_cpu(tmp_path: Path) -> None:
+    from bench import gpu_checkpoint
+
+    out = gpu_checkpoint.main(
+        ["--device", "cpu", "--sizes-mb", "8", "--repeats", "1", "--steps", "1", "--huge", "off", "--results-dir", str(tmp_path)]
+    )
+    fig = out["figures"]["8MiB"]
+    for name in ("bare_d2h_s", "bare_h2d_s", "save_block_s", "overlapped_save_block_s", "step_s", "step_overlapped_s"):
+        assert fig[name]["median"] > 0, name
+    assert set(out["targets"]["8MiB"]) == {
+        "save_block_vs_bare_d2h",
+        "overlapped_step_vs_plain",
+        "torch_save_vs_save_block",
+        "restore_vs_bare_h2d",
+    }
+    assert (tmp_path / "gpu_checkpoint_cpu.json").exists()
+
+
+def test_dali_smoke(tmp_path: Path) -> None:
+    import pytest
+
+    pytest.importorskip("nvidia.dali", reason="the dali extra is not installed")
+    from bench import dali
+
+    out = dali.main(["--images", "128", "--batch", "32", "--repeats", "1", "--results-dir", str(tmp_path)])
+    assert out["figures"]["cache_images_per_s"]["median"] > 0 and out["figures"]["reader_images_per_s"]["median"] > 0
+    assert (tmp_path / "dali.json").exists()
