@@ -102,6 +102,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         413: "request too large: body, steps or bytes per request",
         416: "step or dp rank outside the job",
         421: f"this data server does not coordinate now; the {LEADER_HEADER} header names the one that does",
+        415: "the body is not sent as application/json",
         422: "invalid request: the message names the field and the bound",
         503: "the server cannot serve this now (the message says why)",
     }
@@ -382,6 +383,11 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        kind = request.headers.get("content-type", "")
+        if request.method in ("POST", "PUT") and not kind.startswith("application/json"):
+            # curl -d sends a form content type; the JSON body was never read as JSON
+            detail = f"the body must be JSON sent with Content-Type: application/json (got {kind or 'none'!r}; curl: -H 'Content-Type: application/json')"
+            return JSONResponse({"detail": detail}, status_code=415)
         return JSONResponse({"detail": _validation_detail(exc)}, status_code=422)
 
     @app.exception_handler(EtcdUnavailable)
@@ -485,7 +491,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         "/v1/jobs",
         status_code=201,
         dependencies=needs_token,
-        responses={200: {"model": JobView, "description": "the same job existed already"}, **_errors(401, 404, 409, 413, 422)},
+        responses={200: {"model": JobView, "description": "the same job existed already"}, **_errors(401, 404, 409, 413, 422, 415)},
         openapi_extra=secured,
     )
     def create_job(body: JobCreate, response: Response) -> JobView:
@@ -523,11 +529,20 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             return _broken_view(broken)
         return _job_view(job_or_error(name), catalog)
 
+    @app.delete("/v1/jobs/{name}", status_code=204, dependencies=needs_token, responses=_errors(401, 404, 422), openapi_extra=secured)
+    def delete_job(name: PathName) -> Response:
+        """Forget the job's record and served steps; batches of it are no longer served. The
+        node daemons keep its checkpoints (their /v1/state lists them) until their roots are wiped."""
+        if not jobs.delete(name):
+            raise HTTPException(404, f"unknown job {name!r}")
+        log.info("job deleted", extra={"job": name})
+        return Response(status_code=204)
+
     # Async: the committed step comes from the coordinator, which lives on the event loop.
     @app.post(
         "/v1/jobs/{name}/generations",
         dependencies=[*needs_token, *leader_only],
-        responses=_errors(401, 404, 409, 413, 421, 422, 503),
+        responses=_errors(401, 404, 409, 413, 421, 422, 503, 415),
         openapi_extra=secured,
     )
     async def add_generation(name: PathName, body: GenerationCreate) -> JobView:
@@ -649,7 +664,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         "/v1/nodes/heartbeat",
         dependencies=[*needs_token, *leader_only],
         response_class=Response,
-        responses={200: {"model": RingView}, **_errors(401, 409, 413, 421, 422, 503)},
+        responses={200: {"model": RingView}, **_errors(401, 409, 413, 421, 422, 503, 415)},
         openapi_extra=secured,
     )
     async def heartbeat(body: Heartbeat, request: Request) -> Response:
@@ -672,7 +687,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     @app.post(
         "/v1/nodes/{node_id}/unreachable",
         dependencies=[*needs_token, *leader_only],
-        responses=_errors(401, 404, 413, 421, 422),
+        responses=_errors(401, 404, 413, 421, 422, 415),
         openapi_extra=secured,
     )
     async def unreachable(node_id: NodeId, body: UnreachableReport) -> UnreachableAnswer:

@@ -8,29 +8,34 @@ from pathlib import Path
 
 from dataserver.config import ServeConfig
 from dataserver.protocol.etcd import parse_endpoints
+from dataserver.protocol.settings import ConfigError, command_parser, parse, subcommand
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dataserver", description="ffplane data server")
+    p = command_parser("dataserver", "ffplane data server")
     sub = p.add_subparsers(dest="command", required=True)
 
-    ing = sub.add_parser("ingest", help="convert JSONL/JSONL.GZ/Parquet/Arrow sources into a served dataset")
-    ing.add_argument("sources", nargs="+", type=Path, metavar="SRC")
+    ing = subcommand(sub, "ingest", "convert JSONL/JSONL.GZ/Parquet/Arrow sources into a served dataset")
+    ing.add_argument("sources", nargs="+", type=Path, metavar="SRC", help="source files (JSONL, JSONL.GZ, Parquet, Arrow IPC)")
     ing.add_argument("--out", type=Path, required=True, help="new dataset directory (under serve's --data-dir)")
     ing.add_argument("--shard-mb", type=int, default=256, help="target shard size in MiB")
     ing.add_argument("--binary-field", action="append", default=[], help="JSONL field holding base64 bytes (repeatable)")
     ing.add_argument("--list-int-type", choices=["int32", "int64"], default="int32", help="type of JSON integer lists (token ids)")
-    ing.add_argument("--no-progress", action="store_true")
+    ing.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    srv = sub.add_parser("serve", help="serve datasets and jobs over HTTP")
+    srv = subcommand(sub, "serve", "serve datasets and jobs over HTTP")
     d = ServeConfig(data_dir=Path("."))
-    srv.add_argument("--data-dir", type=Path, required=True)
-    srv.add_argument("--host", default=d.host)
+    srv.add_argument("--data-dir", type=Path, required=True, help="the folder of datasets (one sub-folder each, as ingest writes them)")
+    srv.add_argument(
+        "--host", default=d.host, help="address to listen on (0.0.0.0: every interface; then with --etcd also --advertise-url)"
+    )
     srv.add_argument("--port", type=int, default=d.port, help="0 picks a free port (see --ready-file)")
     srv.add_argument("--state-dir", type=Path, default=None, help="job records (default <data-dir>/.ffplane-jobs)")
     srv.add_argument("--token-file", default=None, help="job bearer token (else $FFPLANE_TOKEN_FILE or $FFPLANE_TOKEN)")
     srv.add_argument("--ready-file", default=None, help="write {host,port,pid} JSON here once listening")
-    srv.add_argument("--max-steps-per-request", type=int, default=d.max_steps_per_request)
+    srv.add_argument("--max-steps-per-request", type=int, default=d.max_steps_per_request, help="most steps one batch request may ask for")
     srv.add_argument("--max-bytes-per-request", type=int, default=d.max_bytes_per_request, help="batch bytes (estimated from the dataset's size) one request may ask for; 413 above")  # fmt: skip
     srv.add_argument("--max-samples-per-step", type=int, default=d.max_samples_per_step, help="largest dp x batch_per_rank a job or generation may have")  # fmt: skip
     srv.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (job, heartbeat); 413 above, before it is read")  # fmt: skip
@@ -39,12 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--heartbeat-udp-port", type=int, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")  # fmt: skip
     srv.add_argument("--etcd", default=None, help="etcd members host:port[,host:port...]: job records live there, so several data servers serve the same jobs and one at a time coordinates (a lease); the nodes declared dead are published for torchrun's --rdzv-backend ffplane")  # fmt: skip
     srv.add_argument("--advertise-url", default=None, help="with --etcd: the URL daemons and the other data servers reach this one at (default http://HOST:PORT)")  # fmt: skip
-    srv.add_argument("--log-level", default=d.log_level)
+    srv.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, help="least severe log lines written")
+    srv.add_argument("--log-format", default="auto", choices=["auto", "text", "json"], help="auto: text on a terminal, JSON lines otherwise")  # fmt: skip
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = parse(_parser(), argv)
+    except ConfigError as exc:
+        print(f"dataserver: error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "ingest":
         from dataserver.ingest import IngestConfig, IngestError, ingest
 
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         advertise_url=args.advertise_url,
         log_level=args.log_level,
     )
-    setup_logging(cfg_s.log_level)
+    setup_logging(cfg_s.log_level, args.log_format, "dataserver")
     if cfg_s.etcd is not None:
         try:
             parse_endpoints(cfg_s.etcd)

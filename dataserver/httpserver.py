@@ -27,21 +27,52 @@ DIE_WITH_PARENT_ENV = "FFPLANE_DIE_WITH_PARENT"
 
 
 class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and any ``extra=`` fields."""
+    """One JSON object per line: ISO time, level, component, logger, message and any ``extra=`` fields."""
 
     _std = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "color_message"}
 
+    def __init__(self, component: str = "") -> None:
+        super().__init__()
+        self.component = component
+
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
-            "ts": round(record.created, 3),
+            "ts": _iso(record.created),
             "level": record.levelname.lower(),
+            "component": self.component,
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        line.update({k: v for k, v in record.__dict__.items() if k not in self._std})
+        line.update(_extras(record, self._std))
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
+
+
+class TextLogFormatter(logging.Formatter):
+    """For a person at a terminal: ``13:10:02.123 INFO  statestore  root ready  root=/dev/shm/ffplane``."""
+
+    _std = JsonLogFormatter._std
+
+    def __init__(self, component: str = "") -> None:
+        super().__init__()
+        self.component = component
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
+        fields = " ".join(f"{k}={v}" for k, v in _extras(record, self._std).items())
+        line = f"{when} {record.levelname:<7} {self.component or record.name}  {record.getMessage()}" + (f"  {fields}" if fields else "")
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _iso(created: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{int(created * 1000) % 1000:03d}Z"
+
+
+def _extras(record: logging.LogRecord, std: set[str]) -> dict[str, Any]:
+    return {k: v for k, v in record.__dict__.items() if k not in std}
 
 
 def die_with_parent_if_asked() -> None:
@@ -58,9 +89,13 @@ def die_with_parent_if_asked() -> None:
         raise SystemExit("parent exited before start-up")
 
 
-def setup_logging(level: str = "info") -> None:
+def setup_logging(level: str = "info", fmt: str = "auto", component: str = "") -> None:
+    """Log lines on stderr: ``fmt`` ``text`` (for a person), ``json`` (for a collector), or
+    ``auto`` (text on a terminal, JSON otherwise); each line names ``component``."""
+    if fmt == "auto":
+        fmt = "text" if sys.stderr.isatty() else "json"
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLogFormatter())
+    handler.setFormatter(TextLogFormatter(component) if fmt == "text" else JsonLogFormatter(component))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

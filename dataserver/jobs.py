@@ -258,6 +258,16 @@ class JobRegistry:
             self._jobs[spec.name] = job
             return job, True
 
+    def delete(self, name: str) -> bool:
+        """Forget ``name``'s record and served step (a broken one too); False if there was none."""
+        with self._lock:
+            known = self._jobs.pop(name, None) is not None or self._broken.pop(name, None) is not None
+            for path in (self.state_dir / f"{name}.json", self._served_path(name)):
+                if path.exists():
+                    known = True
+                    path.unlink()
+            return known
+
     def add_generation(self, name: str, gen: Generation, committed_step: int | None = None, replan_served: bool = False) -> Job:
         """Append ``gen`` to job ``name``; refused (nothing written) unless it starts after every
         step already committed (``committed_step``, from the daemons' inventories) and, unless

@@ -165,6 +165,13 @@ class EtcdJobRegistry(JobRegistry):
             self._broken.pop(spec.name, None)
         return job, True
 
+    def delete(self, name: str) -> bool:
+        """Forget ``name`` in etcd (every server then sees it gone) and in any file record, which
+        would otherwise be imported again at the next start."""
+        removed = self._etcd.delete(_spec_key(name))
+        self._etcd.delete(_served_key(name))
+        return super().delete(name) or removed
+
     def add_generation(self, name: str, gen: Generation, committed_step: int | None = None, replan_served: bool = False) -> Job:
         for _ in range(_ATTEMPTS):
             self.refresh(name)

@@ -12,7 +12,6 @@ shared-memory folder it made.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -143,37 +142,10 @@ def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ffplane", description="ffplane on this machine")
-    sub = ap.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="two nodes, a killed worker, a lost node: timelines and a bitwise check")
-    demo.add_argument("--out", type=Path, default=Path("ffplane-demo"), help="where demo.json and the PNGs go")
-    demo.add_argument("--steps", type=int, default=40)
-    demo.add_argument(
-        "--model",
-        choices=sorted(MODELS),
-        default="gpt",
-        help="gpt: the GPT under DDP; fsdp2: sharded with fully_shard, saved by the Checkpointer; fsdp2-dcp: the same through dcp.save/load",
-    )
-    demo.add_argument("--keep", action="store_true", help="keep the work folder (logs, events)")
-    exp = sub.add_parser("export", help="a saved step as a plain DCP checkpoint directory (+ model.safetensors), readable without ffplane")
-    exp.add_argument("job")
-    exp.add_argument("step", type=int)
-    exp.add_argument("directory", type=Path)
-    exp.add_argument(
-        "--socket", type=Path, default=None, help="the node daemon's socket (default: $FFPLANE_DAEMON_SOCKET or /dev/shm/ffplane)"
-    )
-    exp.add_argument("--durable-dir", type=Path, default=None, help="read the durable tier here when no daemon answers")
-    exp.add_argument("--model-key", default="model", help="the state key whose tensors go to model.safetensors")
-    args = ap.parse_args(argv)
-    if args.command == "export":
-        from trainer_client.export import export
-
-        done = export(args.job, args.step, args.directory, socket_path=args.socket, durable_dir=args.durable_dir, model_key=args.model_key)
-        print(f"step {done.step} of {args.job}: {done.items} items in {done.directory}, {done.model_tensors} tensors in model.safetensors")
-        return 0
+def run_demo(out: Path, steps: int, model: str, keep: bool) -> int:
+    """``ffplane demo``: 0 when the run ends bitwise-equal to the failure-free one."""
     work = Path(tempfile.mkdtemp(prefix="ffplane-demo-"))
-    d = Demo(work, args.out, args.steps, args.model)
+    d = Demo(work, out, steps, model)
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     old_term = signal.signal(signal.SIGTERM, _interrupted)  # a killed demo still ends its processes
     try:
@@ -183,11 +155,17 @@ def main(argv: list[str] | None = None) -> int:
         d.close()
         signal.signal(signal.SIGINT, old)
         signal.signal(signal.SIGTERM, old_term)
-        if not args.keep:
+        if not keep:
             shutil.rmtree(work, ignore_errors=True)
         else:
             print(f"work folder kept: {work}")
     return 0 if result["bitwise_equal"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ffplane_harness.cli import main as cli
+
+    return cli(argv)
 
 
 if __name__ == "__main__":

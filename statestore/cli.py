@@ -6,14 +6,17 @@ import argparse
 import sys
 from pathlib import Path
 
+from dataserver.protocol.settings import ConfigError, command_parser, parse, subcommand
 from statestore.config import DaemonConfig
 from statestore.link_gate import GateConfig
 
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="statestore", description="ffplane node daemon")
+    p = command_parser("statestore", "ffplane node daemon")
     sub = p.add_subparsers(dest="command", required=True)
-    srv = sub.add_parser("serve", help="run the node daemon")
+    srv = subcommand(sub, "serve", "run the node daemon")
     d = DaemonConfig(dataserver="")
     srv.add_argument(
         "--dataserver",
@@ -21,18 +24,19 @@ def _parser() -> argparse.ArgumentParser:
         help="data server base URL, e.g. http://127.0.0.1:8470; several comma-separated (they share the batch fetches, one coordinates)",
     )
     srv.add_argument("--root", type=Path, default=d.root, help="tmpfs directory for caches, slots and the index")
+    srv.add_argument("--allow-non-tmpfs", action="store_true", help="accept a --root that is not on tmpfs (slots would be written to disk: slow, and they survive reboots)")  # fmt: skip
     srv.add_argument("--host", default="", help="address the ops and peer HTTP API listens on (default: 127.0.0.1 when the data server is on loopback, else the advertised address)")  # fmt: skip
     srv.add_argument("--advertise-address", default="", help="address other nodes' daemons reach this one at (default: this host's address on the route to the data server; never loopback or 0.0.0.0 across hosts)")  # fmt: skip
     srv.add_argument("--port", type=int, default=d.port, help="ops HTTP port (0 picks one; see --ready-file)")
     srv.add_argument("--budget-mb", type=int, default=d.budget_bytes >> 20, help="shared memory this daemon may use")
     srv.add_argument("--window", type=int, default=d.window, help="steps prefetched ahead per dp rank")
     srv.add_argument("--keep-consumed", type=int, default=d.keep_consumed, help="consumed steps kept for replay")
-    srv.add_argument("--fetch-concurrency", type=int, default=d.fetch_concurrency)
-    srv.add_argument("--fetch-retry-s", type=float, default=d.fetch_retry_s)
+    srv.add_argument("--fetch-concurrency", type=int, default=d.fetch_concurrency, help="batch fetches from the data servers in flight at once")  # fmt: skip
+    srv.add_argument("--fetch-retry-s", type=float, default=d.fetch_retry_s, help="how long a fetch a reader waits on is retried while no data server answers")  # fmt: skip
     srv.add_argument("--durable-dir", type=Path, default=None, help="directory of the durable tier (safetensors + JSON)")
     srv.add_argument("--durable-every", type=int, default=d.durable_every, help="copy committed shards to --durable-dir every N steps (0 = off); copies are written behind the steps, so losing every copy in memory goes back up to 2N-1 steps")  # fmt: skip
     srv.add_argument("--node-id", default="", help="this node's name in the ring (default: host name)")
-    srv.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)
+    srv.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s, help="seconds between heartbeats to the coordinator")
     srv.add_argument("--no-replicate", action="store_true", help="do not push commits to the ring successor")
     srv.add_argument("--replica-max-lag", type=int, default=d.replica_max_lag, help="a commit is answered once the ring successor holds the version this many commits back, counting itself (1 = itself); that push passes the link gate (0 = off: replication always waits for an idle link)")  # fmt: skip
     srv.add_argument("--replica-wait-s", type=float, default=d.replica_wait_s, help="longest a commit answer waits for that replica (then logged)")  # fmt: skip
@@ -43,13 +47,18 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--gate-chunk-kb", type=int, default=g.chunk_bytes >> 10, help="STATE moves in chunks of this size")
     srv.add_argument("--no-gate", action="store_true", help="let STATE traffic through regardless of TRAIN (for baselines)")
     srv.add_argument("--token-file", default=None, help="job token (else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN)")
-    srv.add_argument("--ready-file", default=None)
-    srv.add_argument("--log-level", default=d.log_level)
+    srv.add_argument("--ready-file", default=None, help="write {host, port, pid} JSON here once listening")
+    srv.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, help="least severe log lines written")
+    srv.add_argument("--log-format", default="auto", choices=["auto", "text", "json"], help="auto: text on a terminal, JSON lines otherwise")  # fmt: skip
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = parse(_parser(), argv)
+    except ConfigError as exc:
+        print(f"statestore: error: {exc}", file=sys.stderr)
+        return 2
     from dataserver.httpserver import die_with_parent_if_asked, serve, setup_logging
     from dataserver.protocol.auth import load_token
     from statestore.daemon import Daemon, create_app
@@ -83,12 +92,20 @@ def main(argv: list[str] | None = None) -> int:
         token_file=args.token_file,
         ready_file=args.ready_file,
         log_level=args.log_level,
+        allow_non_tmpfs=args.allow_non_tmpfs,
     )
     die_with_parent_if_asked()
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, args.log_format, "statestore")
     try:
         cfg.resolve_addresses()
-        daemon = Daemon(cfg, load_token(cfg.token_file))
+        cfg.check_root()
+        token = load_token(cfg.token_file)
+        if token is None:
+            raise ValueError(
+                "no job token: set FFPLANE_TOKEN or FFPLANE_TOKEN_FILE, or pass --token-file (the data server's token; "
+                "without it every fetch and heartbeat would be refused)"
+            )
+        daemon = Daemon(cfg, token)
         daemon.prepare()
     except (ShmError, ValueError) as exc:
         print(f"statestore serve: error: {exc}", file=sys.stderr)

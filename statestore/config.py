@@ -36,6 +36,18 @@ class DaemonConfig:
     token_file: str | None = None  # else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN
     ready_file: str | None = None
     log_level: str = "info"
+    allow_non_tmpfs: bool = False  # slots on a disk: slow, and they outlive a reboot the job does not
+
+    def check_root(self) -> None:
+        """Refuse a root that is not on tmpfs (unless allowed): slots there go to disk."""
+        from statestore.shm import filesystem
+
+        fs_type = filesystem(self.root)[0]
+        if fs_type != "tmpfs" and not self.allow_non_tmpfs:
+            raise ValueError(
+                f"--root {self.root} is on {fs_type}, not tmpfs: every save would be written to disk. Use a tmpfs (e.g. "
+                "/dev/shm/ffplane, or a tmpfs mounted huge=within_size: docs/deployment.md), or pass --allow-non-tmpfs"
+            )
 
     def resolve_addresses(self) -> None:
         """Fill ``host`` and ``advertise_address``, or refuse a pair peers could not use. A daemon

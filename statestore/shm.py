@@ -98,11 +98,18 @@ def presize(fd: int, size: int) -> None:
 
 def huge_pages(root: Path) -> str:
     """The ``huge=`` mount option of the tmpfs holding ``root`` (``never`` if none or not tmpfs)."""
+    fs_type, options = filesystem(root)
+    huge = [o.removeprefix("huge=") for o in options.split(",") if o.startswith("huge=")]
+    return huge[0] if fs_type == "tmpfs" and huge else "never"
+
+
+def filesystem(root: Path) -> tuple[str, str]:
+    """(type, super options) of the mount holding ``root`` or, before it exists, its parent."""
     try:
         lines = Path("/proc/self/mountinfo").read_text().splitlines()
     except OSError:
-        return "never"
-    best, option = -1, "never"
+        return "unknown", ""
+    best, found = -1, ("unknown", "")
     target = str(root.resolve())
     for line in lines:
         fields = line.split()
@@ -113,10 +120,8 @@ def huge_pages(root: Path) -> str:
         mount_point, fs_type, super_opts = fields[4], fields[sep + 1], fields[sep + 3] if len(fields) > sep + 3 else ""
         inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
         if inside and len(mount_point) > best:
-            best = len(mount_point)
-            huge = [o.removeprefix("huge=") for o in super_opts.split(",") if o.startswith("huge=")]
-            option = huge[0] if fs_type == "tmpfs" and huge else "never"
-    return option
+            best, found = len(mount_point), (fs_type, super_opts)
+    return found
 
 
 def tmp_path(final: Path) -> Path:

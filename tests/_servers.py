@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -35,8 +36,9 @@ def start(module: str, args: list[str], workdir: Path, name: str, env: dict[str,
 __all__ = ["TOKEN", "Proc", "start", "until"]
 
 
-def refused_daemon(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def refused_daemon(root: Path, *extra: str, token: bool = True) -> subprocess.CompletedProcess[str]:
     """``statestore serve`` run to its exit, for flags it must refuse (its data server is
-    nowhere: a daemon that got past the checks would only retry)."""
+    nowhere: a daemon that got past the checks would only retry); ``token``: with the job token."""
     cmd = [sys.executable, "-m", "statestore", "serve", "--dataserver", "http://127.0.0.1:9", "--root", str(root), "--port", "0", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFPLANE_")} | ({"FFPLANE_TOKEN": TOKEN} if token else {})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False, env=env)

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from dataserver.protocol.auth import bearer
-from dataserver.protocol.errors import CorruptError, FFPlaneError, TransportError, error_from
-from dataserver.protocol.servers import parse_urls
+from dataserver.protocol.errors import CorruptError, TransportError
 from statestore.protocol.control import Get, Invalidate, Open
 from statestore.protocol.files import step_file
 from trainer_client._daemon_client import DaemonClient
+from trainer_client._http import ServerClient
 from trainer_client.batches import StepBytes
 
 log = logging.getLogger(__name__)
@@ -75,31 +70,13 @@ class HttpSource:
     name = "dataserver"
 
     def __init__(self, url: str, job: str, dp_rank: int, token: str | None, timeout_s: float, window: int) -> None:
-        self.urls = parse_urls(url)
-        self.url, self.job, self.dp_rank = self.urls[0], job, dp_rank
-        self.token, self.timeout_s, self.window = token, timeout_s, window
+        self.client = ServerClient(url, token, timeout_s)
+        self.job, self.dp_rank, self.window = job, dp_rank, window
         self.end_step: int | None = None  # the job's max_steps, set by the DataLoader
         self._buffered: dict[int, Step] = {}
 
     def _request(self, path: str, params: dict[str, Any] | None = None) -> bytes:
-        query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        error: FFPlaneError | None = None
-        for _ in self.urls:  # the server that answered last first; a batch is the same from any
-            req = urllib.request.Request(f"{self.url}{path}{query}", headers=bearer(self.token))
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    body: bytes = resp.read()
-                    return body
-            except urllib.error.HTTPError as exc:
-                detail = exc.read().decode(errors="replace")[:500]
-                error = error_from(exc.code, f"data server {self.url}{path}: {exc.code} {detail}")
-                if exc.code < 500:
-                    raise error from exc
-            except (OSError, http.client.HTTPException) as exc:  # incl. a body cut short
-                error = TransportError(f"cannot reach the data server at {self.url}: {exc!r}")
-            self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
-        assert error is not None
-        raise error
+        return self.client.request(path, params)
 
     def job_info(self) -> dict[str, Any]:
         info: dict[str, Any] = json.loads(self._request(f"/v1/jobs/{self.job}"))

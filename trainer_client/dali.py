@@ -67,7 +67,9 @@ class CacheSource:
     def rows_per_batch(self) -> int:
         """The most rows one call can return: the job's rows per step for this rank (split by
         ``micro_batches``), for the pipeline's ``batch_size``."""
-        info = self.loader._http_source().job_info()
+        from trainer_client.jobs import Jobs
+
+        info = Jobs(self.loader.dataserver, self.loader.token).get(self.loader.job)
         rows = max(int(g["batch_per_rank"]) for g in info.get("generations", [info]))
         return -(-rows // self.loader.micro_batches)
 

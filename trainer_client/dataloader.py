@@ -15,7 +15,7 @@ import pyarrow as pa
 import torch
 import xxhash
 
-from dataserver.protocol.auth import TOKEN_ENV
+from dataserver.protocol.auth import load_token
 from dataserver.protocol.errors import CorruptError, FFPlaneError, FFTimeoutError, TransportError
 from statestore.protocol import files
 from trainer_client._device_copy import StagedBatch, stage
@@ -85,7 +85,7 @@ class DataLoader:
             raise ValueError(f"start_step must be >= 0, got {start_step=}")
         self.job, self.dp_rank = job, dp_rank
         self.dataserver = dataserver or os.environ.get(DATASERVER_ENV)
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.token = token if token is not None else load_token()  # $FFPLANE_TOKEN_FILE, else $FFPLANE_TOKEN
         self.socket_path = files.socket_path(socket_path)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s=}")
@@ -288,7 +288,8 @@ def _device(device: str | torch.device | None) -> torch.device | None:
         raise ValueError(f"DataLoader(device={device!r}): batches go to 'cpu' or a CUDA device")
     if not cuda_present():
         raise ValueError(f"DataLoader(device={device!r}): torch sees no CUDA device here; pass device='cpu' (or leave it out)")
-    return dev
+    # resolved here, on the training thread: the look-ahead thread's current device is always 0
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _split(batch: Any, k: int) -> list[Any]:

@@ -1,0 +1,180 @@
+"""Every ffplane command's settings, from four places: flags > environment > TOML file > defaults.
+
+Each flag ``--budget-mb`` of ``statestore serve`` is also ``$FFPLANE_STATESTORE_BUDGET_MB`` (the
+``ffplane`` command's ``--dataserver``: ``$FFPLANE_DATASERVER``) and
+``budget_mb`` (or ``budget-mb``) in the ``[statestore.serve]`` table of the file named by
+``--config`` or ``$FFPLANE_CONFIG``. A few settings mean the same to every process and are also
+read unscoped (``$FFPLANE_DATASERVER``, ``$FFPLANE_TOKEN_FILE``, ``$FFPLANE_LOG_LEVEL``,
+``$FFPLANE_LOG_FORMAT``), as the client library reads them. A file key that names no flag is an
+error (a typo must not silently fall back to a default), as is a value of the wrong type.
+``--help`` shows each flag's default and its variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CONFIG_ENV", "ConfigError", "command_parser", "env_name", "parse", "subcommand", "version"]
+
+CONFIG_ENV = "FFPLANE_CONFIG"
+_SHARED = frozenset({"dataserver", "token_file", "log_level", "log_format"})  # also read unscoped
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """A setting from the environment or the config file that cannot be used; names its source."""
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("ffplane")
+    except PackageNotFoundError:
+        return "0+unknown (not installed)"
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The top parser of an ffplane command: ``--version``, ``--config``, defaults in ``--help``."""
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=_Formatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    p.add_argument("--config", metavar="FILE", default=None, help=f"TOML file of settings (else ${CONFIG_ENV}); flags and environment win")
+    return p
+
+
+def subcommand(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` shows defaults like the command's."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help, formatter_class=_Formatter)
+    return parser
+
+
+def env_name(prog: str, dest: str) -> str:
+    """``$FFPLANE_STATESTORE_BUDGET_MB`` for ``statestore``'s ``--budget-mb``; the ``ffplane``
+    command's flags are ``$FFPLANE_<FLAG>``."""
+    return f"FFPLANE_{'' if prog == 'ffplane' else prog.upper() + '_'}{dest.upper()}"
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with the environment and the config file as defaults."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = _config_path(argv)
+    table = _load(path) if path else {}
+    for command, sub in _commands(parser):
+        section: Any = table.get(parser.prog, {})
+        for part in command.split(".") if command else ():
+            section = section.get(part, {}) if isinstance(section, dict) else section
+        if sub is not parser and not any(a.dest == "config" for a in sub._actions):
+            sub.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML file of settings (see the command's --help)")
+        _apply(parser.prog, command, sub, section, path)
+    _check_unknown(parser, table, path)
+    return parser.parse_args(argv)
+
+
+def _config_path(argv: list[str]) -> Path | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if arg.startswith("--config="):
+            return Path(arg.split("=", 1)[1])
+    found = os.environ.get(CONFIG_ENV)
+    return Path(found) if found else None
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[tuple[str | None, argparse.ArgumentParser]]:
+    """(subcommand, its parser) for each subcommand (nested ones joined with '.'), or (None, parser)."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [(None, parser)]
+    out: list[tuple[str | None, argparse.ArgumentParser]] = []
+    for name, sub in subs[0].choices.items():
+        for inner, leaf in _commands(sub):
+            out.append((name if inner is None else f"{name}.{inner}", leaf))
+    return out
+
+
+def _settable(sub: argparse.ArgumentParser) -> list[argparse.Action]:
+    skip = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
+    return [a for a in sub._actions if a.option_strings and not isinstance(a, skip) and a.dest != "config"]
+
+
+def _apply(prog: str, command: str | None, sub: argparse.ArgumentParser, section: Any, path: Path | None) -> None:
+    where = f"config file {path} [{'.'.join(p for p in (prog, command) if p)}]"
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where} must be a table of settings")
+    nested = {k for k, v in section.items() if isinstance(v, dict)}  # a deeper command's table
+    given = {k.replace("-", "_"): v for k, v in section.items() if k not in nested}
+    actions = {a.dest: a for a in _settable(sub)}
+    unknown = sorted(set(given) - set(actions))
+    if unknown:
+        raise ConfigError(f"{where} has {unknown}, which {prog} {command or ''} has no flag for; its settings: {sorted(actions)}")
+    for dest, action in actions.items():
+        name = env_name(prog, dest)
+        names = [name] + ([f"FFPLANE_{dest.upper()}"] if dest in _SHARED else [])
+        raw_env = next(((n, os.environ[n]) for n in names if os.environ.get(n)), None)
+        if raw_env is not None:
+            value = _convert(action, raw_env[1], f"${raw_env[0]}")
+        elif dest in given:
+            value = _convert(action, given[dest], f"{where} {dest}")
+        else:
+            value = None
+        if value is not None:
+            action.default = value
+            action.required = False
+        if action.help is not argparse.SUPPRESS:
+            action.help = f"{action.help or ''} [env {name}]".strip()
+
+
+def _convert(action: argparse.Action, raw: Any, source: str) -> Any:
+    try:
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if isinstance(raw, bool):
+                flag = raw
+            elif str(raw).lower() in _TRUE | _FALSE:
+                flag = str(raw).lower() in _TRUE
+            else:
+                raise ValueError(f"expected true or false, got {raw!r}")
+            return flag if isinstance(action, argparse._StoreTrueAction) else not flag
+        if isinstance(action, argparse._AppendAction):
+            items = raw if isinstance(raw, list) else [s for s in str(raw).split(",") if s]
+            return [action.type(str(i)) if action.type else i for i in items]  # type: ignore[operator]
+        if isinstance(raw, (dict, list)):
+            raise ValueError(f"expected a single value, got {raw!r}")
+        value = action.type(str(raw)) if action.type and callable(action.type) else (str(raw) if not isinstance(raw, str) else raw)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{source}: {value!r} is not one of {sorted(action.choices)}")
+    return value
+
+
+def _check_unknown(parser: argparse.ArgumentParser, table: dict[str, Any], path: Path | None) -> None:
+    """One file may configure every ffplane command; anything else in it is a mistake."""
+    extra = sorted(set(table) - {"dataserver", "statestore", "ffplane"})
+    if extra:
+        raise ConfigError(
+            f"config file {path} has {extra}; its tables are [dataserver.<subcommand>], [statestore.serve], [ffplane.<subcommand>]"
+        )

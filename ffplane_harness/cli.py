@@ -1,0 +1,187 @@
+"""The ``ffplane`` command: ``job create|list|show|delete``, ``status``, ``export``, ``demo``.
+
+Settings come from flags, ``$FFPLANE_<FLAG>`` (``$FFPLANE_DATASERVER``, ``$FFPLANE_TOKEN_FILE``),
+the ``[ffplane.<command>]`` tables of ``--config``, then defaults (``dataserver.protocol.settings``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from dataserver.protocol.auth import load_token
+from dataserver.protocol.errors import FFPlaneError
+from dataserver.protocol.settings import ConfigError, command_parser, parse, subcommand
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = command_parser("ffplane", "ffplane: jobs, the cluster's state, exports, and a demo on this machine")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    job = subcommand(sub, "job", "create, list, show or delete jobs on the data servers")
+    jobs = job.add_subparsers(dest="job_command", required=True)
+    create = subcommand(jobs, "create", "create a job (an identical one that exists is left as it is)")
+    create.add_argument("name", help="the job's name (letters, digits, '-', '_', '.')")
+    create.add_argument("--dataset", required=True, help="a dataset the data server serves (GET /v1/datasets)")
+    create.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
+    create.add_argument("--batch-per-rank", type=int, required=True, help="samples per rank per step")
+    create.add_argument("--seed", type=int, default=0, help="the plan's shuffle seed")
+    create.add_argument("--max-steps", type=int, default=None, help="the job's length in optimizer steps (none: unbounded)")
+    for name, help_ in (
+        ("list", "the jobs' names"),
+        ("show", "a job's record as JSON"),
+        ("delete", "forget a job (daemons keep its checkpoints)"),
+    ):
+        cmd = subcommand(jobs, name, help_)
+        if name != "list":
+            cmd.add_argument("name", help="the job's name")
+    for cmd in (create, *(jobs.choices[n] for n in ("list", "show", "delete"))):
+        _server_flags(cmd)
+
+    status = subcommand(sub, "status", "the cluster as a table: nodes, roles and their restorable step, replicas, cache, gate")
+    status.add_argument("--job", default=None, help="only this job (default: every job)")
+    status.add_argument("--json", action="store_true", help="print the gathered JSON instead of the table")
+    _server_flags(status)
+
+    exp = subcommand(sub, "export", "a saved step as a plain DCP checkpoint directory (+ model.safetensors), readable without ffplane")
+    exp.add_argument("job", help="the job")
+    exp.add_argument("step", type=int, help="the step to export")
+    exp.add_argument("directory", type=Path, help="where the DCP checkpoint goes")
+    exp.add_argument(
+        "--socket", type=Path, default=None, help="the node daemon's socket (default: $FFPLANE_DAEMON_SOCKET or /dev/shm/ffplane)"
+    )
+    exp.add_argument("--durable-dir", type=Path, default=None, help="read the durable tier here when no daemon answers")
+    exp.add_argument("--model-key", default="model", help="the state key whose tensors go to model.safetensors")
+
+    from ffplane_harness.demo import MODELS
+
+    demo = subcommand(sub, "demo", "two nodes, a killed worker, a lost node: timelines and a bitwise check")
+    demo.add_argument("--out", type=Path, default=Path("ffplane-demo"), help="where demo.json and the PNGs go")
+    demo.add_argument("--steps", type=int, default=40, help="training steps of the demo job")
+    demo.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="gpt",
+        help="gpt: the GPT under DDP; fsdp2: sharded with fully_shard, saved by the Checkpointer; fsdp2-dcp: the same through dcp.save/load",
+    )
+    demo.add_argument("--keep", action="store_true", help="keep the work folder (logs, events)")
+    return p
+
+
+def _server_flags(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--dataserver", default=None, help="data server URL(s), comma-separated")
+    cmd.add_argument("--token-file", default=None, help="the job token's file (else $FFPLANE_TOKEN)")
+    cmd.add_argument("--timeout-s", type=float, default=10.0, help="per request")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse(_parser(), argv)
+        if args.command == "demo":
+            from ffplane_harness.demo import run_demo
+
+            return run_demo(args.out, args.steps, args.model, args.keep)
+        if args.command == "export":
+            from trainer_client.export import export
+
+            done = export(
+                args.job, args.step, args.directory, socket_path=args.socket, durable_dir=args.durable_dir, model_key=args.model_key
+            )
+            print(
+                f"step {done.step} of {args.job}: {done.items} items in {done.directory}, {done.model_tensors} tensors in model.safetensors"
+            )
+            return 0
+        from trainer_client.jobs import Jobs
+
+        client = Jobs(args.dataserver, load_token(args.token_file), args.timeout_s)
+        if args.command == "status":
+            gathered = gather_status(client, args.job)
+            print(json.dumps(gathered, indent=1) if args.json else render_status(gathered))
+            return 0
+        return _job(client, args)
+    except (ConfigError, ValueError, FFPlaneError) as exc:
+        print(f"ffplane: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _job(client: Any, args: argparse.Namespace) -> int:
+    if args.job_command == "create":
+        job = client.create(args.name, args.dataset, args.dp, args.batch_per_rank, args.seed, args.max_steps)
+        print(f"job {job['name']}: dataset {args.dataset}, dp {args.dp} x {args.batch_per_rank} per step, max_steps {job.get('max_steps')}")
+    elif args.job_command == "list":
+        print("\n".join(client.list()))
+    elif args.job_command == "show":
+        print(json.dumps(client.get(args.name), indent=1))
+    else:
+        client.delete(args.name)
+        print(f"job {args.name} deleted")
+    return 0
+
+
+# --- status ------------------------------------------------------------------------------------
+
+
+def gather_status(client: Any, only_job: str | None = None) -> dict[str, Any]:
+    """The coordinator's nodes and each job's status, and every live daemon's state, cache and gate."""
+    nodes = client.nodes()
+    names = [only_job] if only_job else client.list()
+    jobs = {name: client.status(name) for name in names}
+
+    def daemon(address: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in ("state", "cache", "gate"):
+            try:
+                with urllib.request.urlopen(f"{address}/v1/{part}", timeout=client.client.timeout_s) as r:
+                    out[part] = json.loads(r.read())
+            except (OSError, ValueError, urllib.error.URLError) as exc:
+                out[part] = {"error": str(exc)}
+        return out
+
+    alive = {n: m["address"] for n, m in nodes["members"].items() if m["alive"]}
+    with ThreadPoolExecutor(8) as pool:
+        daemons = dict(zip(alive, pool.map(daemon, alive.values())))
+    return {"nodes": nodes, "jobs": jobs, "daemons": daemons}
+
+
+def render_status(g: dict[str, Any]) -> str:
+    """Nodes (ring order), then each job's roles: restorable step and where its copies are."""
+    ring = g["nodes"]["ring"]
+    rows = [("NODE", "STATE", "ADDRESS", "ROLES (newest step)", "REPLICAS", "CACHE", "GATE")]
+    for node, m in sorted(
+        g["nodes"]["members"].items(), key=lambda kv: (kv[0] not in ring, ring.index(kv[0]) if kv[0] in ring else 0, kv[0])
+    ):
+        d = g["daemons"].get(node, {})
+        state, cache, gate = d.get("state", {}), d.get("cache", {}), d.get("gate", {})
+        roles = ", ".join(
+            f"{r['job']}/{r['role']}@{max((v['step'] for v in r.get('versions', [])), default='-')}" for r in state.get("roles", [])
+        )
+        replicas = len({(r["job"], r["role"]) for r in state.get("replicas", []) if r.get("kind") != "incoming"})
+        used = f"{cache.get('bytes', 0) / 2**20:.0f}/{cache.get('budget_bytes', 0) / 2**20:.0f} MiB" if "bytes" in cache else "-"
+        gate_s = ("open" if gate.get("open") else f"closed: {gate.get('closed_because')}") if "open" in gate else "-"
+        alive = "alive" if m["alive"] else ("unreachable" if m.get("unreachable") else "dead")
+        rows.append((node, alive, m["address"], roles or "-", str(replicas) if d else "-", used, gate_s))
+    out = [_table(rows)]
+    for name, s in sorted(g["jobs"].items()):
+        out.append(f"\njob {name}: restorable step {s.get('restorable_step')}, newest committed {s.get('committed_step')}")
+        role_rows = [("ROLE", "STEP: NODES WITH A COPY")]
+        for role, steps in sorted(s.get("shard_locations", {}).items()):
+            newest = sorted(steps.items(), key=lambda kv: -int(kv[0]))[:2]
+            role_rows.append((role, "; ".join(f"{step}: {', '.join(nodes)}" for step, nodes in newest)))
+        out.append(_table(role_rows))
+    return "\n".join(out)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Every command's settings: flags > environment > TOML file > defaults, errors that name their source."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dataserver.cli import _parser as dataserver_parser
+from dataserver.protocol.settings import ConfigError, parse, version
+from ffplane_harness.cli import _parser as ffplane_parser
+from statestore.cli import _parser as statestore_parser
+
+PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
+    "dataserver": dataserver_parser,
+    "statestore": statestore_parser,
+    "ffplane": ffplane_parser,
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("FFPLANE_"):
+            monkeypatch.delenv(k)
+
+
+def _serve(argv: list[str]) -> argparse.Namespace:
+    return parse(statestore_parser(), ["serve", "--dataserver", "http://10.0.0.1:8470", *argv])
+
+
+def test_flags_beat_the_environment_which_beats_the_file_which_beats_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "ffplane.toml"
+    config.write_text(
+        "[statestore.serve]\nbudget-mb = 99\nwindow = 7\nkeep_consumed = 5\nno-replicate = true\n\n[dataserver.serve]\nport = 1\n"
+    )
+    monkeypatch.setenv("FFPLANE_STATESTORE_WINDOW", "6")
+    monkeypatch.setenv("FFPLANE_STATESTORE_KEEP_CONSUMED", "4")
+    args = _serve(["--config", str(config), "--keep-consumed", "3"])
+    assert (args.keep_consumed, args.window, args.budget_mb, args.no_replicate) == (3, 6, 99, True)  # flag, env, file, file
+    assert args.heartbeat_s == 1.0  # default
+    monkeypatch.setenv("FFPLANE_CONFIG", str(config))  # the file named by the environment, too
+    assert _serve([]).budget_mb == 99
+
+
+def test_shared_settings_are_read_unscoped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FFPLANE_DATASERVER", "http://10.9.9.9:8470")
+    monkeypatch.setenv("FFPLANE_TOKEN_FILE", "/run/secrets/ffplane-token")
+    args = parse(statestore_parser(), ["serve"])  # --dataserver is required, and given by the environment
+    assert args.dataserver == "http://10.9.9.9:8470" and args.token_file == "/run/secrets/ffplane-token"
+    monkeypatch.setenv("FFPLANE_STATESTORE_DATASERVER", "http://10.1.1.1:8470")
+    assert parse(statestore_parser(), ["serve"]).dataserver == "http://10.1.1.1:8470"  # the scoped one first
+
+
+@pytest.mark.parametrize(
+    ("env", "file", "message"),
+    [
+        ({"FFPLANE_STATESTORE_WINDOW": "four"}, "", r"\$FFPLANE_STATESTORE_WINDOW: invalid literal for int"),
+        ({"FFPLANE_STATESTORE_NO_REPLICATE": "maybe"}, "", r"\$FFPLANE_STATESTORE_NO_REPLICATE: expected true or false"),
+        ({"FFPLANE_STATESTORE_LOG_LEVEL": "verbose"}, "", r"'verbose' is not one of \['debug', 'error', 'info', 'warning'\]"),
+        ({}, "[statestore.serve]\nbudget_gb = 4\n", r"has \['budget_gb'\], which statestore serve has no flag for"),
+        ({}, "[statestore.serve]\nwindow = [1, 2]\n", r"window: expected a single value"),
+        ({}, "[statestore.serve\n", r"is not valid TOML"),
+        ({}, "[trainer]\nx = 1\n", r"has \['trainer'\]; its tables are"),
+    ],
+)
+def test_a_bad_setting_names_where_it_came_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], file: str, message: str
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = []
+    if file:
+        (tmp_path / "c.toml").write_text(file)
+        argv = ["--config", str(tmp_path / "c.toml")]
+    with pytest.raises(ConfigError, match=message):
+        _serve(argv)
+
+
+def test_a_missing_config_file_is_an_error_the_command_reports(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "statestore", "--config", str(tmp_path / "absent.toml"), "serve", "--dataserver", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "absent.toml: No such file" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("prog", sorted(PARSERS))
+def test_every_flag_has_help_with_its_default_and_variable(prog: str) -> None:
+    from dataserver.protocol.settings import _commands, _settable
+
+    parser = PARSERS[prog]()
+    parse(parser, _a_valid_argv(prog))
+    for command, sub in _commands(parser):
+        for action in _settable(sub):
+            assert action.help and "[env FFPLANE_" in action.help, f"{prog} {command} {action.option_strings} has no help"
+        text = sub.format_help()
+        assert "(default:" in text, f"{prog} {command}: defaults not shown"
+
+
+def _a_valid_argv(prog: str) -> list[str]:
+    return {
+        "dataserver": ["serve", "--data-dir", "."],
+        "statestore": ["serve", "--dataserver", "http://127.0.0.1:9"],
+        "ffplane": ["job", "list"],
+    }[prog]
+
+
+@pytest.mark.parametrize("module", ["dataserver", "statestore", "ffplane_harness.cli"])
+def test_version_everywhere(module: str) -> None:
+    r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and version() in r.stdout
