@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Histogram,
     generate_latest,
 )
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, with_config
@@ -218,6 +219,44 @@ class _Metrics:
         self.registry = CollectorRegistry()
         self.steps = Counter("ffplane_dataserver_steps_served", "Batches (one per TID) streamed", ["job"], registry=self.registry)
         self.bytes = Counter("ffplane_dataserver_bytes_served", "Arrow IPC bytes streamed", ["job"], registry=self.registry)
+        self.detection = Histogram(
+            "ffplane_coordinator_detection_seconds",
+            "Silence before a node was declared dead (heartbeat gap + sweep)",
+            buckets=(0.5, 1, 1.5, 2, 2.5, 3, 5, 10, 30),
+            registry=self.registry,
+        )
+
+    def watch(self, coordinator: Coordinator, leading: Callable[[], bool]) -> None:
+        coordinator.on_declared_dead = self.detection.observe
+        self.registry.register(_CoordinatorCollector(coordinator, leading))
+
+
+class _CoordinatorCollector:
+    """Membership as this server's coordinator sees it (only meaningful on the leader)."""
+
+    def __init__(self, coordinator: Coordinator, leading: Callable[[], bool]) -> None:
+        self.coordinator, self.leading = coordinator, leading
+
+    def describe(self) -> list[Any]:
+        return []  # collected fresh each scrape (the registry must not call collect() at register time)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        c = self.coordinator
+        yield GaugeMetricFamily("ffplane_coordinator_leading", "1 when this data server coordinates now", value=1 if self.leading() else 0)
+        members = GaugeMetricFamily("ffplane_coordinator_members", "Nodes by state", labels=["state"])
+        ms = list(c.members.values())
+        members.add_metric(["alive"], sum(1 for m in ms if m.alive and not m.unreachable))
+        members.add_metric(["unreachable"], sum(1 for m in ms if m.unreachable))
+        members.add_metric(["dead"], sum(1 for m in ms if not m.alive))
+        yield members
+        yield GaugeMetricFamily("ffplane_coordinator_ring_size", "Nodes in the replication ring", value=len(c.ring()))
+        beats = CounterMetricFamily("ffplane_coordinator_heartbeats", "Heartbeats received, by kind", labels=["kind"])
+        for kind, n in sorted(c.stats.items()):
+            beats.add_metric([kind], n)
+        yield beats
+        yield CounterMetricFamily("ffplane_coordinator_worker_exits", "Worker exits reported by daemons", value=len(c.worker_exits))
 
 
 @dataclass
@@ -286,6 +325,7 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     # find it, so none is handed a ring missing nodes that are alive (shared_jobs, leadership).
     settle_s = max(config.dead_after_s, 1.0) + 0.5
     lead = _Lead(leading=etcd is None)
+    metrics.watch(coordinator, lambda: lead.leading)
 
     def on_lead_change(leading: bool, took_over: bool) -> None:
         coordinator.reset()

@@ -39,6 +39,7 @@ import socket
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -192,6 +193,7 @@ class Coordinator:
         self.max_members = max_members  # alive and not yet forgotten
         self.key = token.encode() if token else None
         self.udp_port: int | None = None  # set once the UDP listener is bound
+        self.on_declared_dead: Callable[[float], None] | None = None  # silence before a node was declared dead
         self.stats = {"udp_beats": 0, "udp_inventories": 0, "udp_rejected": 0, "udp_unknown": 0, "udp_replayed": 0, "http_beats": 0}
         self.reset()
 
@@ -287,7 +289,7 @@ class Coordinator:
             m.counter = max(m.counter, int(udp["counter"])) if m.session == session else int(udp["counter"])
             m.session, m.inv_version = session, int(udp["inv_version"])
         for w in exited:
-            log.warning("worker exited", extra={"worker": w, "node": node_id})
+            log.info("worker exited", extra={"worker": w, "node": node_id})  # a crash or the end of the job: the daemon cannot tell
             self.worker_exits.append({**w, "node": node_id, "at": time.time()})
         del self.worker_exits[:-256]
 
@@ -372,6 +374,8 @@ class Coordinator:
             newly.append(m.node_id)
             self._changed(["-", m.node_id])
             log.warning("node declared dead", extra={"node": m.node_id, "silent_s": round(now - m.last_seen, 3)})
+            if self.on_declared_dead is not None:
+                self.on_declared_dead(now - m.last_seen)  # the detection latency, for /metrics
         forget = now - self.forget_after_s
         while self._dead_since:
             node_id, since = next(iter(self._dead_since.items()))

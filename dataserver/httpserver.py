@@ -59,7 +59,7 @@ class TextLogFormatter(logging.Formatter):
         self.component = component
 
     def format(self, record: logging.LogRecord) -> str:
-        when = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
+        when = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.created * 1000) % 1000:03d}"
         fields = " ".join(f"{k}={v}" for k, v in _extras(record, self._std).items())
         line = f"{when} {record.levelname:<7} {self.component or record.name}  {record.getMessage()}" + (f"  {fields}" if fields else "")
         if record.exc_info:

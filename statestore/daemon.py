@@ -23,6 +23,7 @@ from statestore.data_cache import DataCache
 from statestore.dataservers import DataServers
 from statestore.heartbeat import Heartbeat
 from statestore.index import Index
+from statestore.latencies import Latencies
 from statestore.link_gate import LinkGate
 from statestore.metrics import registry_for
 from statestore.protocol.files import HINTS_DIR
@@ -58,6 +59,7 @@ class Daemon:
         self.control: ControlServer | None = None
         self.address = ""  # the ops/peer base URL: set once bound, before start()
         self.huge_pages = "never"  # the root tmpfs's huge= option, read at prepare()
+        self.latencies = Latencies()  # histograms for /metrics
         self.rebuilt: Rebuilt | None = None  # what a rebuild of a lost index found, if one ran
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -159,7 +161,15 @@ class Daemon:
         replicator = None
         if cfg.replicate:
             replicator = Replicator(
-                cfg.node_id, slots, replicas, self.heartbeat, self.transport, cfg.replica_max_lag, cfg.replica_wait_s, corrupt.quarantine
+                cfg.node_id,
+                slots,
+                replicas,
+                self.heartbeat,
+                self.transport,
+                cfg.replica_max_lag,
+                cfg.replica_wait_s,
+                corrupt.quarantine,
+                self.latencies.replication.observe,
             )
         self.state = StateService(
             cfg.root,
@@ -173,6 +183,7 @@ class Daemon:
             gate=self.gate,
             dataservers=self.servers,
             token=self.token,
+            latencies=self.latencies,
         )
         if replicator is not None:
             self._tasks.append(asyncio.create_task(replicator.run(), name="replicator"))
@@ -272,7 +283,7 @@ def create_app(daemon: Daemon) -> FastAPI:
     def metrics() -> Response:
         nonlocal registry
         assert daemon.cache is not None and daemon.state is not None
-        registry = registry or registry_for(daemon.cache, daemon.state.slots, daemon.gate, daemon.state)
+        registry = registry or registry_for(daemon.cache, daemon.state.slots, daemon.gate, daemon.state, daemon.latencies)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

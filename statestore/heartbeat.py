@@ -17,6 +17,7 @@ import os
 import socket
 import time
 import urllib.parse
+from collections import deque
 from typing import Any
 
 import aiohttp
@@ -56,6 +57,7 @@ class Heartbeat:
         self.address = address
         self.replicas = replicas
         self.workers: dict[int, dict[str, Any]] = {}  # connection id → {pid, job, role|dp_rank}
+        self._gone: deque[Any] = deque(maxlen=256)  # pids reported exited (pids are reused, eventually)
         self._exited: list[dict[str, Any]] = []
         self._now = asyncio.Event()
         self.view: dict[str, Any] = {}
@@ -63,7 +65,16 @@ class Heartbeat:
         self._last_warning = 0.0
 
     def worker_gone(self, info: dict[str, Any]) -> None:
-        """A local worker's connection closed and its process is gone: tell the coordinator now."""
+        """A local worker's connection closed and its process is gone: tell the coordinator now,
+        once per process (a worker has a connection for its DataLoader and one for its state)."""
+        pid = info.get("pid")
+        for rid, other in list(self.workers.items()):
+            if other.get("pid") == pid:  # its other connections: one report names all it did
+                info = {**other, **info}
+                del self.workers[rid]
+        if pid in self._gone:
+            return
+        self._gone.append(pid)
         self._exited.append(info)
         self._now.set()
 

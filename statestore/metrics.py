@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from statestore.data_cache import DataCache
+from statestore.latencies import Latencies
 from statestore.link_gate import LinkGate
 from statestore.slots import SlotStore
 from statestore.state_service import StateService
@@ -110,17 +111,29 @@ class _LinkCollector:
             "ffplane_replication_commit_wait_timeouts", "Commits made while the replica was still behind", value=r.commit_wait_timeouts
         )
         yield GaugeMetricFamily("ffplane_replication_pending", "Committed versions waiting to be pushed", value=r.pending())
-        lag = GaugeMetricFamily(
-            "ffplane_replication_lag_steps", "Newest committed step minus newest replicated step", labels=["job", "role"]
+        described = r.describe()
+        yield GaugeMetricFamily(
+            "ffplane_replication_has_successor", "1 when the ring gives this node a successor", value=1 if described["successor"] else 0
         )
-        for key, d in r.describe()["roles"].items():
-            job, role = key.split("/", 1)
-            lag.add_metric([job, role], d["committed"] - (d["replicated"] if d["replicated"] is not None else -1))
+        lag = GaugeMetricFamily(
+            "ffplane_replication_lag_steps",
+            "Newest committed step minus the newest on the successor (before the first replica: the versions held); none without a successor",
+            labels=["job", "role"],
+        )
+        if described["successor"]:  # with no successor there is nothing to lag behind (see ffplane_replication_has_successor)
+            held = {f"{rs.job}/{rs.role}": len(rs.versions) for rs in list(self.state.slots.roles.values())}
+            for key, d in described["roles"].items():
+                job, role = key.split("/", 1)
+                lag.add_metric([job, role], d["committed"] - d["replicated"] if d["replicated"] is not None else held.get(key, 0))
         yield lag
 
 
-def registry_for(cache: DataCache, slots: SlotStore, gate: LinkGate | None = None, state: StateService | None = None) -> CollectorRegistry:
+def registry_for(
+    cache: DataCache, slots: SlotStore, gate: LinkGate | None = None, state: StateService | None = None, latencies: Latencies | None = None
+) -> CollectorRegistry:
     registry = CollectorRegistry()
+    for histogram in latencies.all() if latencies is not None else []:
+        registry.register(histogram)
     registry.register(_CacheCollector(cache))
     registry.register(_StateCollector(slots))
     if gate is not None and state is not None:

@@ -46,8 +46,10 @@ class Replicator:
         max_lag: int = 1,
         wait_s: float = 30.0,
         quarantine: Callable[[LocalShard], None] = lambda shard: None,
+        observe_push: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.node_id = node_id
+        self._observe_push = observe_push  # each push's duration, for the daemon's histogram
         self._quarantine = quarantine  # drops a copy held here that is found corrupt (``CorruptCopies.quarantine``)
         self.max_lag, self.wait_s = max_lag, wait_s
         self.slots, self.replicas, self.heartbeat, self.transport = slots, replicas, heartbeat, transport
@@ -252,6 +254,7 @@ class Replicator:
             self._discard(job, role, step)
             self.bytes_sent += sent
             self.pushes += 1
+            self._observe_push(time.perf_counter() - started)
             newest = self.replicated.get((job, role))
             if newest is None or newest[0] <= step or newest[1] != succ:
                 self.replicated[(job, role)] = (step, succ)

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from dataserver.protocol.errors import CorruptError, FFPlaneError, NotFoundError
 from dataserver.protocol.restorable import Layouts, whole_steps
 from statestore.dataservers import DataServers
 from statestore.durable import write_shard
+from statestore.latencies import Latencies
 from statestore.link_gate import LinkGate, Priority
 from statestore.protocol import durable
 from statestore.protocol.shard import layout_roles
@@ -58,6 +60,7 @@ class StateService:
         gate: LinkGate | None = None,
         dataservers: DataServers | None = None,
         token: str | None = None,
+        latencies: Latencies | None = None,
     ) -> None:
         """``transport`` pulls what a restore needs from other nodes; ``corrupt`` is shared with
         ``replicator`` (none: commits are not replicated); ``gate``: durable copies wait at it
@@ -74,6 +77,7 @@ class StateService:
         self.durable_written = 0
         self.pulled_bytes = 0
         self._pulls: dict[tuple[str, str, int], asyncio.Future[LocalShard]] = {}
+        self.latencies = latencies or Latencies()
 
     def begin(self, job: str, role: str, step: int) -> str:
         # a slot still being copied to the durable tier must not be overwritten
@@ -84,6 +88,8 @@ class StateService:
     ) -> Version:
         """Commit ``step`` (``how``: ``SlotStore.commit``'s reservation and static-header options)."""
         version = await self.slots.commit(job, role, step, slot, nbytes, header, save_block_s, **how)
+        self.latencies.save_block.observe(version.save_block_s)
+        self.latencies.commit.observe(version.commit_s)
         self.replicas.drop_pulled(job, below=step)
         self._corrupt.job_saved(job)
         if self.replicator is not None:
@@ -161,10 +167,13 @@ class StateService:
         a coordinator, or without ``roles``, only what this daemon holds counts.
         """
         if roles is not None and self.dataservers is not None:
+            started = time.perf_counter()
             status = await self._job_status(job)
             if status is None:  # guessing from this node alone could split the job across steps
                 raise UnavailableError("the coordinator (data server) did not answer, so no job-wide restore step can be chosen; ask again")
-            return await self._restorable_jobwide(job, status, roles, below, step)
+            found = await self._restorable_jobwide(job, status, roles, below, step)
+            self.latencies.restore.observe(time.perf_counter() - started)
+            return found
         if step is not None:
             below = step + 1
         found_step, versions = await self.slots.restorable(job, verify, below)
