@@ -22,7 +22,7 @@ import aiohttp
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from typing_extensions import NotRequired, TypedDict
 
 from dataserver.catalog import NAME_PATTERN, Catalog, DatasetError
+from dataserver.cluster_view import cluster_view
 from dataserver.config import ServeConfig
 from dataserver.coordinator import (
     AddressError,
@@ -43,7 +44,7 @@ from dataserver.coordinator import (
     listen_udp,
 )
 from dataserver.dead_board import DeadBoard
-from dataserver.httpserver import BearerAuth, BodyGuard
+from dataserver.httpserver import BearerAuth, BodyGuard, offline_docs
 from dataserver.jobs import (
     LAYOUT_LIMIT,
     SEED_LIMIT,
@@ -61,7 +62,9 @@ from dataserver.planner import Generation, Planner
 from dataserver.protocol.auth import load_token
 from dataserver.protocol.etcd import ALIVE_KEY, Etcd, EtcdUnavailable
 from dataserver.protocol.servers import LEADER_HEADER
+from dataserver.protocol.settings import version
 from dataserver.shared_jobs import EtcdJobRegistry
+from dataserver.status_page import STATUS_PAGE
 from dataserver.stream import MEDIA_TYPE, StepEncoder, WholeBody, encode_steps
 
 log = logging.getLogger(__name__)
@@ -419,7 +422,8 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         big_steps.shutdown(wait=True, cancel_futures=True)
         catalog.close()
 
-    app = FastAPI(title="ffplane dataserver", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="ffplane dataserver", version=version(), lifespan=lifespan, docs_url=None, redoc_url=None)
+    offline_docs(app)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -791,6 +795,19 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
             await registry(jobs.note_committed, job, newest)
         status["committed_step"] = job.committed_step if job is not None else newest
         return status
+
+    @app.get("/v1/cluster", responses=_errors(421, 503), dependencies=leader_only)
+    async def cluster() -> dict[str, Any]:
+        """Nodes, ring, each live daemon's roles, replicas, cache and gate, each job's restorable
+        step and shard locations, recent failures and their recovery (the status page's data)."""
+        settled()
+        names = await registry(jobs.names)
+        return await cluster_view(coordinator, names, config.url(config.port))
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def status_page() -> HTMLResponse:
+        """The status page: plain HTML and a little JS polling /v1/cluster (no CDN)."""
+        return HTMLResponse(STATUS_PAGE)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}})
     def prometheus() -> Response:

@@ -38,7 +38,7 @@ import os
 import socket
 import time
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -194,6 +194,7 @@ class Coordinator:
         self.key = token.encode() if token else None
         self.udp_port: int | None = None  # set once the UDP listener is bound
         self.on_declared_dead: Callable[[float], None] | None = None  # silence before a node was declared dead
+        self.deaths: deque[dict[str, Any]] = deque(maxlen=256)  # nodes declared dead, newest last (the status page)
         self.stats = {"udp_beats": 0, "udp_inventories": 0, "udp_rejected": 0, "udp_unknown": 0, "udp_replayed": 0, "http_beats": 0}
         self.reset()
 
@@ -374,6 +375,7 @@ class Coordinator:
             newly.append(m.node_id)
             self._changed(["-", m.node_id])
             log.warning("node declared dead", extra={"node": m.node_id, "silent_s": round(now - m.last_seen, 3)})
+            self.deaths.append({"node": m.node_id, "at": time.time(), "silent_s": round(now - m.last_seen, 3)})
             if self.on_declared_dead is not None:
                 self.on_declared_dead(now - m.last_seen)  # the detection latency, for /metrics
         forget = now - self.forget_after_s

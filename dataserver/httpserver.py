@@ -255,3 +255,37 @@ def serve(app: Any, host: str, port: int, ready_file: str | None = None, on_boun
     write_ready_file(ready_file, host=host, port=bound_port, **ready)
     logging.getLogger(__name__).info("listening", extra={"host": host, "port": bound_port})
     server.run(sockets=[sock])
+
+
+def offline_docs(app: Any) -> None:
+    """``/docs`` (Swagger UI) and ``/redoc`` from assets shipped with the package (fastapi-offline's
+    copies), not a CDN: the pages work on a cluster with no way out. Create the app with
+    ``docs_url=None, redoc_url=None``."""
+    from pathlib import Path
+
+    import fastapi_offline
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+
+    assets = Path(fastapi_offline.__file__).parent / "static"
+    app.mount("/static/docs", StaticFiles(directory=assets), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger() -> Any:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url,
+            title=f"{app.title} API",
+            swagger_js_url="/static/docs/swagger-ui-bundle.js",
+            swagger_css_url="/static/docs/swagger-ui.css",
+            swagger_favicon_url="/static/docs/favicon.png",
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc() -> Any:
+        return get_redoc_html(
+            openapi_url=app.openapi_url,
+            title=f"{app.title} API",
+            redoc_js_url="/static/docs/redoc.standalone.js",
+            redoc_favicon_url="/static/docs/favicon.png",
+            with_google_fonts=False,
+        )

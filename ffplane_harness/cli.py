@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.error
-import urllib.request
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
         client = Jobs(args.dataserver, load_token(args.token_file), args.timeout_s)
         if args.command == "status":
-            gathered = gather_status(client, args.job)
-            print(json.dumps(gathered, indent=1) if args.json else render_status(gathered))
+            cluster = client.cluster()
+            print(json.dumps(cluster, indent=1) if args.json else render_status(cluster, args.job))
             return 0
         return _job(client, args)
     except (ConfigError, ValueError, FFPlaneError) as exc:
@@ -128,53 +126,41 @@ def _job(client: Any, args: argparse.Namespace) -> int:
 # --- status ------------------------------------------------------------------------------------
 
 
-def gather_status(client: Any, only_job: str | None = None) -> dict[str, Any]:
-    """The coordinator's nodes and each job's status, and every live daemon's state, cache and gate."""
-    nodes = client.nodes()
-    names = [only_job] if only_job else client.list()
-    jobs = {name: client.status(name) for name in names}
-
-    def daemon(address: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for part in ("state", "cache", "gate"):
-            try:
-                with urllib.request.urlopen(f"{address}/v1/{part}", timeout=client.client.timeout_s) as r:
-                    out[part] = json.loads(r.read())
-            except (OSError, ValueError, urllib.error.URLError) as exc:
-                out[part] = {"error": str(exc)}
-        return out
-
-    alive = {n: m["address"] for n, m in nodes["members"].items() if m["alive"]}
-    with ThreadPoolExecutor(8) as pool:
-        daemons = dict(zip(alive, pool.map(daemon, alive.values())))
-    return {"nodes": nodes, "jobs": jobs, "daemons": daemons}
-
-
-def render_status(g: dict[str, Any]) -> str:
-    """Nodes (ring order), then each job's roles: restorable step and where its copies are."""
-    ring = g["nodes"]["ring"]
+def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
+    """``GET /v1/cluster`` as tables: nodes (ring order), each job's roles, recent failures."""
+    ring = c["ring"]
     rows = [("NODE", "STATE", "ADDRESS", "ROLES (newest step)", "REPLICAS", "CACHE", "GATE")]
-    for node, m in sorted(
-        g["nodes"]["members"].items(), key=lambda kv: (kv[0] not in ring, ring.index(kv[0]) if kv[0] in ring else 0, kv[0])
-    ):
-        d = g["daemons"].get(node, {})
+    order = sorted(c["members"], key=lambda n: (n not in ring, ring.index(n) if n in ring else 0, n))
+    for node in order:
+        m, d = c["members"][node], c["daemons"].get(node, {})
         state, cache, gate = d.get("state", {}), d.get("cache", {}), d.get("gate", {})
         roles = ", ".join(
-            f"{r['job']}/{r['role']}@{max((v['step'] for v in r.get('versions', [])), default='-')}" for r in state.get("roles", [])
+            f"{r['job']}/{r['role']}@{max((v['step'] for v in r.get('versions', [])), default='-')}"
+            for r in state.get("roles", [])
+            if only_job in (None, r["job"])
         )
         replicas = len({(r["job"], r["role"]) for r in state.get("replicas", []) if r.get("kind") != "incoming"})
-        used = f"{cache.get('bytes', 0) / 2**20:.0f}/{cache.get('budget_bytes', 0) / 2**20:.0f} MiB" if "bytes" in cache else "-"
-        gate_s = ("open" if gate.get("open") else f"closed: {gate.get('closed_because')}") if "open" in gate else "-"
+        used = f"{cache['bytes'] / 2**20:.0f}/{cache['budget_bytes'] / 2**20:.0f} MiB" if "bytes" in cache else "-"
+        gate_s = ("open" if gate["open"] else f"closed: {gate.get('closed_because')}") if "open" in gate else "-"
         alive = "alive" if m["alive"] else ("unreachable" if m.get("unreachable") else "dead")
         rows.append((node, alive, m["address"], roles or "-", str(replicas) if d else "-", used, gate_s))
-    out = [_table(rows)]
-    for name, s in sorted(g["jobs"].items()):
-        out.append(f"\njob {name}: restorable step {s.get('restorable_step')}, newest committed {s.get('committed_step')}")
+    out = [f"coordinator {c['leader']}", _table(rows)]
+    for name, j in sorted(c["jobs"].items()):
+        if only_job not in (None, name):
+            continue
+        out.append(f"\njob {name}: restorable step {j.get('restorable_step')}, newest committed {j.get('committed_step')}")
         role_rows = [("ROLE", "STEP: NODES WITH A COPY")]
-        for role, steps in sorted(s.get("shard_locations", {}).items()):
+        for role, steps in sorted((j.get("shard_locations") or {}).items()):
             newest = sorted(steps.items(), key=lambda kv: -int(kv[0]))[:2]
             role_rows.append((role, "; ".join(f"{step}: {', '.join(nodes)}" for step, nodes in newest)))
         out.append(_table(role_rows))
+    failures = [("WHEN", "WHAT", "NODE", "JOB", "RECOVERED AFTER")]
+    for f in c.get("failures", []):
+        when = time.strftime("%H:%M:%S", time.localtime(f["at"]))
+        rec = f"{f['recovered_after_s']:.2f} s" if f.get("recovered_after_s") is not None else "-"
+        failures.append((when, f["kind"], str(f.get("node")), str(f.get("job") or "-"), rec))
+    if len(failures) > 1:
+        out += ["\nrecent failures", _table(failures)]
     return "\n".join(out)
 
 

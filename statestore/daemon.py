@@ -16,6 +16,8 @@ from typing import IO, Any
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dataserver.httpserver import offline_docs
+from dataserver.protocol.settings import version
 from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.control import ControlServer
@@ -222,7 +224,8 @@ def create_app(daemon: Daemon) -> FastAPI:
         yield
         await daemon.stop()
 
-    app = FastAPI(title="ffplane statestore (ops, read-only)", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="ffplane statestore (ops, read-only)", version=version(), lifespan=lifespan, docs_url=None, redoc_url=None)
+    offline_docs(app)
 
     @app.get("/v1/health")
     def health() -> dict[str, str]:

@@ -63,7 +63,8 @@ class Jobs:
         status: dict[str, Any] = self.client.json(f"/v1/jobs/{name}/status")
         return status
 
-    def nodes(self) -> dict[str, Any]:
-        """The coordinator's view of the nodes: alive, dead, the ring."""
-        nodes: dict[str, Any] = self.client.json("/v1/nodes")
-        return nodes
+    def cluster(self) -> dict[str, Any]:
+        """Everything the status page shows: nodes, ring, each daemon's roles, replicas, cache and
+        gate, each job's restorable step and shard locations, recent failures and their recovery."""
+        cluster: dict[str, Any] = self.client.json("/v1/cluster")
+        return cluster

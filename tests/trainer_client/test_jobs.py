@@ -83,5 +83,5 @@ def test_ffplane_status_shows_nodes_roles_and_restorable_step(dataserver: Proc, 
     (node,) = httpx.get(dataserver.url + "/v1/nodes").json()["ring"]
     assert node in r.stdout and "alive" in r.stdout and "st/dp0-pp0-tp0@2" in r.stdout
     assert "job st: restorable step 2" in r.stdout and "MiB" in r.stdout and "open" in r.stdout
-    gathered = json.loads(_ffplane("status", "--json", "--job", "st", dataserver=dataserver.url).stdout)
+    gathered = json.loads(_ffplane("status", "--json", dataserver=dataserver.url).stdout)
     assert gathered["jobs"]["st"]["restorable_step"] == 2 and node in gathered["daemons"]
