@@ -509,8 +509,23 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
         return None
 
     @app.get("/v1/health")
+    @app.get("/healthz", include_in_schema=False)
     async def health() -> dict[str, str]:
+        """Liveness: the process serves HTTP."""
         return {"status": "ok"}
+
+    @app.get("/readyz", include_in_schema=False)
+    async def ready() -> JSONResponse:
+        """Readiness: the datasets folder is there and, with --etcd, the job records can be read."""
+        why = None
+        if not config.data_dir.is_dir():
+            why = f"--data-dir {config.data_dir} is not a directory"
+        elif etcd is not None:
+            try:
+                await asyncio.to_thread(etcd.get, b"/ffplane/ready-probe", 0.0)
+            except EtcdUnavailable as exc:
+                why = f"etcd cannot be reached: {exc}"
+        return JSONResponse({"status": "ready"} if why is None else {"detail": why}, status_code=200 if why is None else 503)
 
     @app.get("/v1/leader")
     async def leader() -> dict[str, Any]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dataserver.httpserver import offline_docs
@@ -228,8 +229,24 @@ def create_app(daemon: Daemon) -> FastAPI:
     offline_docs(app)
 
     @app.get("/v1/health")
+    @app.get("/healthz")
     def health() -> dict[str, str]:
+        """Liveness: the process serves HTTP."""
         return {"status": "ok"}
+
+    @app.get("/readyz", responses={503: {"description": "not ready; the detail says why"}})
+    def ready() -> JSONResponse:
+        """Readiness: the root is prepared, the control socket is up and the coordinator answered
+        a heartbeat in the last 10 s (a daemon it does not know cannot take part in the ring)."""
+        hb = daemon.heartbeat
+        why = None
+        if daemon.control is None or not daemon.config.socket_path.exists():
+            why = "the control socket is not up yet"
+        elif hb is None or hb.answered_at is None:
+            why = "no heartbeat answered by the coordinator yet"
+        elif time.monotonic() - hb.answered_at > 10:
+            why = f"the coordinator has not answered a heartbeat for {time.monotonic() - hb.answered_at:.0f} s"
+        return JSONResponse({"status": "ready"} if why is None else {"detail": why}, status_code=200 if why is None else 503)
 
     @app.get("/v1/cache")
     def cache() -> dict[str, Any]:

@@ -62,6 +62,7 @@ class Heartbeat:
         self._now = asyncio.Event()
         self.view: dict[str, Any] = {}
         self.sent = self.failed = 0
+        self.answered_at: float | None = None  # when the coordinator last answered a beat (for /readyz)
         self._last_warning = 0.0
 
     def worker_gone(self, info: dict[str, Any]) -> None:
@@ -256,6 +257,7 @@ class _Beats:
         if status == STATUS_UNKNOWN:
             return False
         self.hb.sent += 1
+        self.hb.answered_at = time.monotonic()
         if status == STATUS_STALE:
             self.acked = (*self.acked[:2], None)  # the next beat carries the inventory
         elif kind == KIND_INV:
@@ -331,6 +333,7 @@ class _Beats:
         if self.acked_url != self.servers.leader:
             self.acked_url, self.udp_port, self.udp_addr = self.servers.leader, None, None  # another coordinator: its own UDP port
         hb.sent += 1
+        hb.answered_at = time.monotonic()
         self.acked, self.inv_version = (*ident, payload), self.counter
         if not (isinstance(answer, dict) and "members" in answer and "epoch" in answer):
             hb.view = answer  # a data server without UDP heartbeats

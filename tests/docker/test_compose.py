@@ -1,0 +1,175 @@
+"""docker/compose.yaml as shipped: its services' commands started as processes the way compose
+would run them — each service in a network namespace of its own that resolves the others by
+name, each named volume a folder (a tmpfs one on /dev/shm), the image's working directory the
+repository — in dependency order, one-shot services to a clean exit, servers until their health
+URL answers; the two-node torchrun job must train to the end. No Docker engine is needed."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests._servers import TOKEN
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "docker" / "compose.yaml"
+WORKDIR = "/opt/ffplane"  # the image's WORKDIR: the repository here
+OUR_COMMANDS = ("dataserver", "statestore", "ffplane")
+
+
+def _compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())  # merge keys (<<) as compose reads them
+    return loaded
+
+
+def _order(services: dict[str, Any]) -> list[str]:
+    done: list[str] = []
+    while len(done) < len(services):
+        ready = [s for s in services if s not in done and all(d in done for d in services[s].get("depends_on", {}))]
+        assert ready, f"depends_on has a cycle among {sorted(set(services) - set(done))}"
+        done += sorted(ready)
+    return done
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """container path → named volume."""
+    return {m.split(":")[1]: m.split(":")[0] for m in service.get("volumes", [])}
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)(?::[?-][^}]*)?\}", lambda m: env[m.group(1)], value)
+
+
+def test_the_compose_file_is_consistent() -> None:
+    c = _compose()
+    services, volumes = c["services"], c["volumes"]
+    for name, s in services.items():
+        assert s.get("command"), f"{name} has no command"
+        for dep, how in s.get("depends_on", {}).items():
+            assert dep in services, f"{name} depends on {dep}, which is no service"
+            one_shot = services[dep].get("healthcheck", {}).get("disable")  # runs to its end; servers have a health URL
+            expected = "service_completed_successfully" if one_shot else "service_healthy"
+            assert how["condition"] == expected, f"{name} waits for {dep} with {how['condition']}, not {expected}"
+        mounts = _mounts(s)
+        assert set(mounts.values()) <= set(volumes), f"{name} mounts undeclared volumes"
+        argv = [str(a) for a in s["command"]]
+        for arg in " ".join(argv).split():
+            if arg.startswith("/") and not arg.startswith(WORKDIR):
+                assert any(arg == m or arg.startswith(m.rstrip("/") + "/") for m in mounts), f"{name}: {arg} is in none of its volumes"
+        if argv[0] in OUR_COMMANDS:  # the flags parse as the command parses them
+            from dataserver.protocol.settings import parse
+
+            module = {"dataserver": "dataserver.cli", "statestore": "statestore.cli", "ffplane": "ffplane_harness.cli"}[argv[0]]
+            parser = __import__(module, fromlist=["_parser"])._parser()
+            parse(parser, argv[1:])
+        env = s.get("environment", {})
+        assert "FFPLANE_TOKEN" in env, f"{name} gets no token"
+        if "FFPLANE_DAEMON_SOCKET" in env:  # a trainer shares its node daemon's root
+            root = env["FFPLANE_DAEMON_SOCKET"].rsplit("/", 1)[0]
+            daemons = [n for n, o in services.items() if "--root" in o["command"] and _mounts(o).get(root) == mounts.get(root)]
+            assert len(daemons) == 1, f"{name}'s daemon socket is in the root of {daemons}, not of exactly one daemon"
+    for vol in ("node0-shm", "node1-shm"):
+        assert volumes[vol]["driver_opts"]["type"] == "tmpfs", "a daemon root must be tmpfs"
+
+
+@pytest.mark.timeout(600)
+def test_the_compose_services_run_as_processes(tmp_path: Path) -> None:
+    from ffplane_harness.netns import Netns, available
+
+    if available():
+        pytest.skip(str(available()))
+    c = _compose()
+    services = c["services"]
+    order = _order(services)
+    tag = uuid.uuid4().hex[:6]
+    folders = {
+        vol: (
+            Path("/dev/shm") / f"ffp-compose-{tag}-{vol}" if (spec or {}).get("driver_opts", {}).get("type") == "tmpfs" else tmp_path / vol
+        )
+        for vol, spec in c["volumes"].items()
+    }
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    net = Netns(len(services), rate=None)
+    etc = [Path("/etc/netns") / node.ns for node in net.nodes]
+    try:
+        for folder in folders.values():
+            folder.mkdir(parents=True)
+        ip = {name: node.addr for name, node in zip(order, net.nodes)}
+        hosts = "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in ip.items())
+        for d in etc:
+            d.mkdir(parents=True)
+            (d / "hosts").write_text(hosts)  # ip netns exec mounts it over /etc/hosts: names resolve as in compose
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("FFPLANE_")} | {
+            "FFPLANE_TOKEN": TOKEN,
+            "PYTHONPATH": str(REPO),
+            "FFPLANE_DIE_WITH_PARENT": "1",
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",  # dataserver, statestore, ffplane, torchrun
+        }
+        for name, node in zip(order, net.nodes):
+            s = services[name]
+            mounts = _mounts(s)
+
+            def local(value: str, mounts: dict[str, str] = mounts) -> str:
+                for path, vol in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
+                    value = re.sub(rf"(?<![\w/]){re.escape(path)}(?=/|\b|$)", str(folders[vol]), value)
+                return value
+
+            env = base_env | {k: local(_interpolate(str(v), base_env)) for k, v in s.get("environment", {}).items()}
+            argv = [local(str(a)) for a in s["command"]]
+            for dep in s.get("depends_on", {}):
+                if dep in procs and services[dep].get("healthcheck", {}).get("disable"):
+                    assert procs[dep].wait(timeout=180) == 0, f"{dep} failed: {_log(tmp_path, dep)}"
+            log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+            procs[name] = subprocess.Popen(node.exec_argv(argv), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            health = env.get("FFPLANE_HEALTH_URL")
+            if health:  # a server: wait until it is healthy, as depends_on: service_healthy does
+                url = health.replace("127.0.0.1", node.addr)
+                deadline = time.monotonic() + 120
+                while not _answers(url):
+                    assert procs[name].poll() is None, f"{name} exited: {_log(tmp_path, name)}"
+                    assert time.monotonic() < deadline, f"{name} never became healthy: {_log(tmp_path, name)}"
+                    time.sleep(0.2)
+        for trainer in ("trainer0", "trainer1"):
+            assert procs[trainer].wait(timeout=400) == 0, f"{trainer}: {_log(tmp_path, trainer)}"
+        assert (folders["out"] / "final.pt").exists()  # rank 0 wrote the trained weights
+        assert "step 19 loss" in _log(tmp_path, "trainer0")
+        status = httpx.get(f"http://{ip['dataserver']}:8470/v1/cluster").json()
+        assert status["jobs"]["compose"]["committed_step"] == 19 and sorted(status["ring"]) == ["node0", "node1"]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+        net.close()
+        for d in etc:
+            shutil.rmtree(d, ignore_errors=True)
+        for folder in folders.values():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _log(tmp_path: Path, name: str) -> str:
+    path = tmp_path / f"{name}.log"
+    return path.read_text(errors="replace")[-3000:] if path.exists() else "(no log)"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
