@@ -236,7 +236,15 @@ class _StateHolder(_BackendRendezvousStateHolder):
             removed = state.participants.pop(node, None) is not None or removed
             state.wait_list.discard(node)
             state.redundancy_list.discard(node)
-        if removed:
+        if removed and state.complete:
+            # A complete round that lost a member can never run: a member still in its join
+            # would finish with the old ranks and wait for the removed one's (its store address,
+            # its workers) until a timeout, while a member declared dead only for a moment (a
+            # slow daemon restart) waits for a next round that never comes — the 1,000-failure
+            # soak hung so. Open the next round instead: everyone alive joins it.
+            state.complete, state.round, state.deadline = False, state.round + 1, None
+            state.participants.clear()
+        elif removed:
             _remove_participant_epilogue(state, self._settings)
 
 
@@ -271,19 +279,23 @@ class FFPlaneRendezvousHandler(DynamicRendezvousHandler):
         super().__init__(node, settings, BACKEND, store, holder)
         self._peers, self._ffplane_node = holder.peers, ffplane_node
         self._round: set[str] = set()  # the members of the round this agent's workers run in
+        self._round_no = -1  # and its number
         self._op_executor = _PromptExecutor(self._op_executor, holder, node, settings)
 
     def next_rendezvous(self) -> Any:
         self._peers.register(repr(self._this_node), self._ffplane_node)
         info = super().next_rendezvous()
         self._round = {repr(n) for n in self._state_holder.state.participants}
+        self._round_no = self._state_holder.state.round
         return info
 
     def num_nodes_waiting(self) -> int:
         # the sync inside asked which members are dead (and dropped them from the shared state):
         # judge by the round the workers run in
         waiting = super().num_nodes_waiting()
-        return waiting + 1 if self._round & self._peers.last else waiting
+        # a member of this round declared dead, or the round reopened for that by another agent
+        # (_StateHolder._sanitize): restart for the next one
+        return waiting + 1 if self._round & self._peers.last or self._state_holder.state.round > self._round_no else waiting
 
 
 def create_handler(params: RendezvousParameters) -> FFPlaneRendezvousHandler:

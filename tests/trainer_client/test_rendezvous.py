@@ -86,3 +86,73 @@ def test_a_silenced_rank0_node_is_replaced_by_a_warm_spare_and_the_job_ends_bitw
     assert 0 <= timeline["steps_lost"] <= 1
     ref, got = torch.load(tmp_path / "reference" / "final.pt"), torch.load(tmp_path / "frozen" / "final.pt")
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+@pytest.mark.parametrize("declared_after_s", [0.15, 0.4])  # during the agents' joins; after the round completed
+def test_a_node_declared_dead_for_a_moment_while_agents_rejoin_ends_in_one_round(etcd: EtcdCluster, declared_after_s: float) -> None:
+    """Both agents restart (a worker crashed when its daemon was killed); the daemon comes back
+    1.5 s later, after the coordinator declared the node dead: its dead key lives for ~0.4 s while
+    the agents rejoin. A complete round that lost a member was kept complete, so one agent
+    finished with the old ranks and waited for a rank 0 that never came while the other waited for
+    a next round that never came (the 1,000-failure soak hung 120 s on this). Now the round is
+    reopened and both agents end in the same round, ranks 0 and 1 of 2."""
+    import json
+    import threading
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from dataserver.protocol.etcd import DEAD_PREFIX
+    from trainer_client.rendezvous import create_handler
+
+    client = etcd.client()
+    run = f"blip{int(declared_after_s * 100)}"
+
+    def handler(node: str):  # type: ignore[no-untyped-def]
+        params = RendezvousParameters(
+            "ffplane", ",".join(client.endpoints), run, 2, 2, local_addr="127.0.0.1", node=node,
+            join_timeout="20", last_call_timeout="1", keep_alive_interval="1", keep_alive_max_attempt="3",
+        )  # fmt: skip
+        return create_handler(params)
+
+    a, b = handler("nA"), handler("nB")
+    found: dict[str, object] = {}
+
+    def agent(h, name: str, start_after_s: float, watch_s: float) -> None:  # type: ignore[no-untyped-def]
+        """An agent: rendezvous, then its monitor loop (restart when nodes wait) for ``watch_s``."""
+        time.sleep(start_after_s)
+        try:
+            info = h.next_rendezvous()
+            end = time.monotonic() + watch_s
+            while time.monotonic() < end:
+                time.sleep(0.2)
+                if h.num_nodes_waiting() > 0:
+                    info, end = h.next_rendezvous(), time.monotonic() + watch_s
+            found[name] = (h._state_holder.state.round, info.world_size, info.rank)
+        except Exception as exc:  # noqa: BLE001 - the finding
+            found[name] = repr(exc)
+
+    def both(watch_s: float, b_after_s: float) -> None:
+        threads = [
+            threading.Thread(target=agent, args=(a, "a", 0, watch_s)),
+            threading.Thread(target=agent, args=(b, "b", b_after_s, watch_s)),
+        ]
+        for t in threads:
+            t.start()
+        if watch_s:  # nA declared dead (its daemon was slow to come back), then back in the ring
+            time.sleep(declared_after_s)
+            client.put(DEAD_PREFIX + b"nA", json.dumps({"declared_at": time.time()}).encode())
+            time.sleep(0.4)
+            client.delete(DEAD_PREFIX + b"nA")
+        for t in threads:
+            t.join()
+
+    both(0, 0)  # the first round
+    found.clear()
+    both(3, 0.2)  # both agents restart, nA first
+    try:
+        assert isinstance(found["a"], tuple) and isinstance(found["b"], tuple), found
+        assert found["a"][0] == found["b"][0], f"the agents ended in different rounds: {found}"
+        assert found["a"][1] == found["b"][1] == 2 and {found["a"][2], found["b"][2]} == {0, 1}, found
+    finally:
+        for h in (a, b):
+            h.shutdown()
