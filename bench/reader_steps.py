@@ -57,13 +57,13 @@ class _Traced(DataLoader):
         return out
 
     def _get(self, step: int) -> Any:
-        step_bytes, batch, meta = self._timed("get", super()._get, step)
+        (step_bytes, batch, meta), staged = self._timed("get", super()._get, step)
         # Weakly: a wrapper holding its own step's bound method is a reference cycle, which left
         # each step to the garbage collector — unmapped in batches, on whichever thread collected
         # — and made this benchmark 15 % faster than the plain DataLoader.
         to_torch = weakref.WeakMethod(step_bytes.to_torch)
         step_bytes.to_torch = lambda b: self._timed("to_torch", to_torch(), b)
-        return step_bytes, batch, meta
+        return (step_bytes, batch, meta), staged
 
     def _prefetch(self, step: int) -> None:
         self._timed("prefetch", super()._prefetch, step)

@@ -102,14 +102,24 @@ class LocalCluster:
 
     Plain mode: every process on 127.0.0.1. With ``net`` (a :class:`ffplane_harness.netns.Netns`),
     the data server runs in node 0's namespace and daemon ``i`` in node ``i + 1``'s, each bound
-    to its node's address, so links can be shaped and cut. Every process is ended by PID and
-    every shared-memory root removed by ``close()``.
+    to its node's address, so links can be shaped and cut; with ``bind_all`` daemons listen on
+    ``0.0.0.0`` and advertise their node's address, as the Kubernetes DaemonSet runs them. Every
+    process is ended by PID and every shared-memory root removed by ``close()``.
     """
 
-    def __init__(self, workdir: Path, data_dir: Path, token: str, shm_parent: Path = Path("/dev/shm"), net: Netns | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        data_dir: Path,
+        token: str,
+        shm_parent: Path = Path("/dev/shm"),
+        net: Netns | None = None,
+        bind_all: bool = False,
+    ) -> None:
         self.workdir, self.data_dir, self.token = workdir, data_dir, token
         self.shm_parent = shm_parent
         self.net = net
+        self.bind_all = bind_all
         self.dataservers: list[Proc] = []  # with --etcd there may be several; daemons are given them all
         self.daemons: list[Proc] = []
         self.roots: list[Path] = []
@@ -167,14 +177,14 @@ class LocalCluster:
         if root not in self.roots:
             self.roots.append(root)
         host, wrap = self._place(i + 1 if self.net else 0)
+        listen = ["--host", "0.0.0.0", "--advertise-address", host] if self.bind_all else ["--host", host]
         args = [
             "serve",
             "--dataserver",
             self.dataserver_urls,
             "--root",
             str(root),
-            "--host",
-            host,
+            *listen,
             "--port",
             "0",
             "--budget-mb",

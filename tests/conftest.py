@@ -150,9 +150,10 @@ def net() -> Iterator[Netns | None]:
 
 
 @contextmanager
-def cluster_in(mode: str, tmp_path: Path, data_dir: Path, nodes: int) -> Iterator[LocalCluster]:
+def cluster_in(mode: str, tmp_path: Path, data_dir: Path, nodes: int, bind_all: bool = False) -> Iterator[LocalCluster]:
     """A LocalCluster on loopback, or on ``nodes`` network namespaces (1 Gbit/s links; skipped
-    without root); the namespaces are deleted afterwards, even on failure, and checked gone."""
+    without root); the namespaces are deleted afterwards, even on failure, and checked gone.
+    ``bind_all``: daemons listen on 0.0.0.0 and advertise their node's address."""
     from ffplane_harness.local_cluster import LocalCluster
     from ffplane_harness.netns import Netns, available, leftovers
 
@@ -162,7 +163,7 @@ def cluster_in(mode: str, tmp_path: Path, data_dir: Path, nodes: int) -> Iterato
             pytest.skip(str(available()))
         net = Netns(nodes, rate="1gbit")
     try:
-        with LocalCluster(tmp_path, data_dir, TOKEN, net=net) as c:
+        with LocalCluster(tmp_path, data_dir, TOKEN, net=net, bind_all=bind_all) as c:
             yield c
     finally:
         if net is not None:

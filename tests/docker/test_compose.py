@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -108,9 +109,10 @@ def test_the_compose_services_run_as_processes(tmp_path: Path) -> None:
             folder.mkdir(parents=True)
         ip = {name: node.addr for name, node in zip(order, net.nodes)}
         hosts = "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in ip.items())
-        for d in etc:
+        me = socket.gethostname()  # a container's own host name resolves to its address; here all share this one
+        for d, node in zip(etc, net.nodes):
             d.mkdir(parents=True)
-            (d / "hosts").write_text(hosts)  # ip netns exec mounts it over /etc/hosts: names resolve as in compose
+            (d / "hosts").write_text(hosts + f"{node.addr} {me}\n")  # ip netns exec mounts it over /etc/hosts
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("FFPLANE_")} | {
             "FFPLANE_TOKEN": TOKEN,
             "PYTHONPATH": str(REPO),
