@@ -149,6 +149,26 @@ def net() -> Iterator[Netns | None]:
     assert not [x for x in leftovers() if x.startswith(n.tag)]
 
 
+@pytest.fixture
+def fail_first_copy(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """``arm()`` makes the next Checkpointer copy into a slot raise (then copies work again)."""
+    from trainer_client import Checkpointer
+
+    real = Checkpointer._copy
+    calls = {"n": 0}
+
+    def fail_once(self: Checkpointer, *a: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected copy failure")
+        real(self, *a)  # type: ignore[arg-type]
+
+    def arm() -> None:
+        monkeypatch.setattr(Checkpointer, "_copy", fail_once)
+
+    return arm
+
+
 @contextmanager
 def cluster_in(mode: str, tmp_path: Path, data_dir: Path, nodes: int, bind_all: bool = False) -> Iterator[LocalCluster]:
     """A LocalCluster on loopback, or on ``nodes`` network namespaces (1 Gbit/s links; skipped

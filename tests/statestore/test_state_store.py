@@ -242,7 +242,7 @@ def test_a_rewound_run_replaces_the_newer_versions(start_daemon: Callable[..., P
 
 
 def test_failures_do_not_poison_later_saves_or_restores(
-    start_daemon: Callable[..., Proc], shm_root: Path, monkeypatch: pytest.MonkeyPatch
+    start_daemon: Callable[..., Proc], shm_root: Path, fail_first_copy: Callable[[], None]
 ) -> None:
     start_daemon()
     sock = shm_root / "daemon.sock"
@@ -254,16 +254,7 @@ def test_failures_do_not_poison_later_saves_or_restores(
     for step in (1, 2):
         ck.save(step, _state(step))
     ck.wait()
-    calls = {"n": 0}
-    real = Checkpointer._copy
-
-    def fail_once(self: Checkpointer, *a: object) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected copy failure")
-        real(self, *a)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Checkpointer, "_copy", fail_once)
+    fail_first_copy()
     with pytest.raises(RuntimeError, match="injected"):
         ck.save(3, _state(3))
     ck.save(3, _state(3))  # the slot begun by the failed save was given back

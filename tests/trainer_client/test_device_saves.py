@@ -167,23 +167,14 @@ def test_mixed_cpu_and_cuda_state_razored_over_two_ranks(start_daemon: Callable[
 
 
 def test_a_failed_overlapped_copy_raises_at_the_optimizer_step_and_gives_its_slot_back(
-    start_daemon: Callable[..., Proc], shm_root: Path, monkeypatch: pytest.MonkeyPatch
+    start_daemon: Callable[..., Proc], shm_root: Path, fail_first_copy: Callable[[], None]
 ) -> None:
     start_daemon()
     p = torch.nn.Parameter(torch.ones(1 << 16))
     opt = torch.optim.SGD([p], lr=0.1)
     ckpt = Checkpointer("ov", socket_path=shm_root / "daemon.sock", overlap_with=opt)
     ckpt.save(0, {"p": p})
-    real = Checkpointer._copy
-    calls = {"n": 0}
-
-    def fail_once(self: Checkpointer, *a: object) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected copy failure")
-        real(self, *a)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Checkpointer, "_copy", fail_once)
+    fail_first_copy()
     ckpt.save(1, {"p": p})  # returns: the copy runs behind it
     p.grad = torch.ones_like(p)
     with pytest.raises(RuntimeError, match="injected"):
