@@ -166,11 +166,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run_epoch(from_cache, per_epoch)  # warm-up: the cache filled, the pipelines' buffers grown
             run_epoch(from_files, per_epoch)
 
-            epochs_read = [1]  # the warm-up
+            epochs_done = itertools.count(1)  # the warm-up was the first
 
             def cached() -> float:
-                _wait_cached(daemon.url, "dali", epochs_read[0] * per_epoch + 2, steps)  # DALI has read two ahead
-                epochs_read[0] += 1
+                _wait_cached(daemon.url, "dali", next(epochs_done) * per_epoch + 2, steps)  # DALI has read two ahead
                 t = time.perf_counter()
                 return run_epoch(from_cache, per_epoch) / (time.perf_counter() - t)
 

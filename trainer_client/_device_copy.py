@@ -27,9 +27,6 @@ class CopyInFlight:
     events: list[Any] = field(default_factory=list)  # torch.cuda.Event per device used
     host: Future[None] | None = None  # the host pairs, when copied on an executor
 
-    def done(self) -> bool:
-        return all(e.query() for e in self.events) and (self.host is None or self.host.done())
-
     def wait(self) -> None:
         """Block until every copy has completed (re-raises a host copy's exception)."""
         if self.host is not None:

@@ -17,6 +17,7 @@ import xxhash
 
 from dataserver.protocol.auth import load_token
 from dataserver.protocol.errors import CorruptError, FFPlaneError, FFTimeoutError, TransportError
+from dataserver.protocol.servers import DATASERVER_ENV
 from statestore.protocol import files
 from trainer_client._device_copy import StagedBatch, stage
 from trainer_client._sources import DaemonSource, HttpSource, Step
@@ -27,7 +28,6 @@ from trainer_client.state_codec import LOADER_KIND
 
 log = logging.getLogger(__name__)
 
-DATASERVER_ENV = "FFPLANE_DATASERVER"
 _HELD_STEPS = 2  # steps handed out whose mapping the loader still holds (released by the look-ahead)
 _Fetched = tuple[Step, "StagedBatch | Registration | None"]  # a step, and its device copy or pinned mapping
 

@@ -14,11 +14,10 @@ from typing import Any
 
 from dataserver.protocol.auth import load_token
 from dataserver.protocol.errors import ConflictError, FFPlaneError
+from dataserver.protocol.servers import DATASERVER_ENV
 from trainer_client._http import ServerClient
 
 __all__ = ["Jobs"]
-
-DATASERVER_ENV = "FFPLANE_DATASERVER"
 
 
 class Jobs:

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 # On a 421 from a data server that does not coordinate: the URL of the one that does (empty while none does).
 LEADER_HEADER = "X-FFplane-Leader"
+DATASERVER_ENV = "FFPLANE_DATASERVER"  # the data server URL(s) for workers and the ffplane command
 
 
 def parse_urls(spec: str) -> list[str]:

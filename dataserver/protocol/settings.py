@@ -76,7 +76,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) ->
         if sub is not parser and not any(a.dest == "config" for a in sub._actions):
             sub.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML file of settings (see the command's --help)")
         _apply(parser.prog, command, sub, section, path)
-    _check_unknown(parser, table, path)
+    _check_unknown(table, path)
     return parser.parse_args(argv)
 
 
@@ -171,7 +171,7 @@ def _convert(action: argparse.Action, raw: Any, source: str) -> Any:
     return value
 
 
-def _check_unknown(parser: argparse.ArgumentParser, table: dict[str, Any], path: Path | None) -> None:
+def _check_unknown(table: dict[str, Any], path: Path | None) -> None:
     """One file may configure every ffplane command; anything else in it is a mistake."""
     extra = sorted(set(table) - {"dataserver", "statestore", "ffplane"})
     if extra:
