@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="", help="address the ops and peer HTTP API listens on (default: 127.0.0.1 when the data server is on loopback, else the advertised address)")  # fmt: skip
     srv.add_argument("--advertise-address", default="", help="address other nodes' daemons reach this one at (default: this host's address on the route to the data server; never loopback or 0.0.0.0 across hosts)")  # fmt: skip
     srv.add_argument("--port", type=int, default=d.port, help="ops HTTP port (0 picks one; see --ready-file)")
+    srv.add_argument("--bulk-port", type=int, default=d.bulk_port, help="TCP port replica pushes from other daemons arrive on (0 picks one, which peers ask the HTTP API for; -1 = none: pushes come over HTTP)")  # fmt: skip
     srv.add_argument("--budget-mb", type=int, default=d.budget_bytes >> 20, help="shared memory this daemon may use")
     srv.add_argument("--window", type=int, default=d.window, help="steps prefetched ahead per dp rank")
     srv.add_argument("--keep-consumed", type=int, default=d.keep_consumed, help="consumed steps kept for replay")
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         advertise_address=args.advertise_address,
         port=args.port,
+        bulk_port=args.bulk_port,
         budget_bytes=args.budget_mb << 20,
         window=args.window,
         keep_consumed=args.keep_consumed,

@@ -20,6 +20,7 @@ class DaemonConfig:
     host: str = ""  # ops and peer HTTP; default: 127.0.0.1 if the data server is on loopback, else the advertised address
     advertise_address: str = ""  # where peers reach this daemon; default: this host's address on the route to the data server
     port: int = 8471
+    bulk_port: int = 0  # replica pushes (TCP, on --host); 0 picks one (peers ask for it), -1 = none (pushes over HTTP)
     budget_bytes: int = 4 << 30  # shared memory this daemon may fill
     window: int = 4  # steps prefetched ahead of the slowest local reader of a dp rank
     keep_consumed: int = 2  # consumed steps kept for replay after a restore

@@ -36,7 +36,7 @@ from statestore.ring import Replicator
 from statestore.shard import CorruptCopies
 from statestore.slots import SlotStore
 from statestore.state_service import DurableConfig, StateService
-from statestore.transport import HttpTransport, Transport, peer_routes
+from statestore.transport import BulkServer, BulkTransport, Transport, peer_routes
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Daemon:
         self.replicas: ReplicaStore | None = None
         self.heartbeat: Heartbeat | None = None
         self.transport: Transport | None = None
+        self.bulk: BulkServer | None = None  # the bulk port replica pushes arrive on
         self.state: StateService | None = None
         self.control: ControlServer | None = None
         self.address = ""  # the ops/peer base URL: set once bound, before start()
@@ -158,8 +159,12 @@ class Daemon:
         cfg, slots, replicas = self.config, self.slots, self.replicas
         await self.cache.start()
         self.heartbeat = Heartbeat(cfg, slots, replicas, self.address, self.token, self.servers)
-        self.transport = HttpTransport(self.gate, self.token)
+        self.transport = BulkTransport(self.gate, self.token)
         await self.transport.start()
+        if cfg.bulk_port >= 0:
+            self.bulk = BulkServer(self.token, replicas, cfg.budget_bytes)
+            port = await self.bulk.start(cfg.host, cfg.bulk_port)
+            log.info("bulk port ready", extra={"bulk_port": port})
         corrupt = CorruptCopies(cfg.node_id, slots, replicas)
         replicator = None
         if cfg.replicate:
@@ -204,6 +209,8 @@ class Daemon:
             await self.cache.close()
         if self.state is not None:
             await self.state.close()
+        if self.bulk is not None:
+            await self.bulk.close()
         if self.transport is not None:
             await self.transport.close()
         if self.slots is not None:
@@ -269,10 +276,13 @@ def create_app(daemon: Daemon) -> FastAPI:
         """Roles, committed versions (step, bytes, checksum, slot), unique and razored bytes,
         slot use, and the latency of each save's blocking part and of its commit."""
         assert daemon.state is not None
-        slots = daemon.state.slots
+        slots, replicas = daemon.state.slots, daemon.state.replicas
+        assert daemon.cache is not None
+        held = {"cache": daemon.cache.cached_bytes(), "slots": slots.slot_bytes(), "replicas": replicas.held_bytes()}
         return {
             "slot_bytes": slots.slot_bytes(),
             "budget_bytes": daemon.config.budget_bytes,
+            "memory": {**{f"{k}_bytes": v for k, v in held.items()}, "free_bytes": daemon.config.budget_bytes - sum(held.values())},
             "durable_dir": str(daemon.config.durable_dir) if daemon.config.durable_dir else None,
             "durable_every": daemon.config.durable_every,
             "durable_written": daemon.state.durable_written,
@@ -282,10 +292,21 @@ def create_app(daemon: Daemon) -> FastAPI:
             "replicas": daemon.state.replicas.describe(),
             "replication": daemon.state.replicator.describe() if daemon.state.replicator else None,
             "pulled_bytes": daemon.state.pulled_bytes,
+            "transfer": {
+                "bulk_port": daemon.bulk.port if daemon.bulk else None,
+                "bulk_pushes_received": daemon.bulk.pushes if daemon.bulk else 0,
+                "bulk_refused": daemon.bulk.refused if daemon.bulk else 0,
+                "received_bytes": replicas.received_bytes,
+                "reused_files": replicas.reused_files,
+            },
         }
 
     assert daemon.slots is not None and daemon.replicas is not None  # create_app follows prepare()
-    app.include_router(peer_routes(daemon.token, daemon.slots, daemon.replicas, daemon.config.budget_bytes))
+    app.include_router(
+        peer_routes(
+            daemon.token, daemon.slots, daemon.replicas, daemon.config.budget_bytes, lambda: daemon.bulk.port if daemon.bulk else None
+        )
+    )
 
     @app.get("/v1/gate")
     async def gate() -> dict[str, Any]:  # on the loop: the gate's hint maps are the loop's

@@ -237,8 +237,10 @@ class Replicator:
                     maybe_there=(job, role, step) in self._again,
                 )
             except PeerError as exc:
-                if exc.conflict and not shard.current():
-                    self._discard(job, role, step)  # superseded here; a newer version is queued
+                if (exc.conflict or exc.corrupt) and not shard.current():
+                    # superseded here (a newer version is queued); a slot reused while it was
+                    # being sent arrives torn, and the receiver's checksum says so
+                    self._discard(job, role, step)
                     continue
                 if exc.corrupt and not await asyncio.to_thread(shard.intact):
                     self._quarantine(shard)  # the receiver found it corrupt, and so do we: sending it again cannot help

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from statestore.protocol.checksum import checksum
@@ -31,6 +32,9 @@ class LocalShard:
     _owner: Version | Replica
     _slots: SlotStore
     _replicas: ReplicaStore
+
+    def path(self) -> Path:
+        return (self._slots if self.kind == "primary" else self._replicas).root / self.rel
 
     def view(self) -> memoryview:
         store = self._slots if self.kind == "primary" else self._replicas

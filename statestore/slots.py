@@ -33,10 +33,14 @@ from statestore import shm
 from statestore.index import Index, remove_sidecar, write_sidecar
 from statestore.protocol.checksum import ALGORITHM, checksum
 from statestore.protocol.shard import layout_roles
+from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
 
 log = logging.getLogger(__name__)
-KEEP_VERSIONS = 3  # see docs/decisions.md, "Three versions per role"
+KEEP_VERSIONS = 3  # see docs/decisions.md, "Four slots per role: three committed versions"
 SLOTS = KEEP_VERSIONS + 1
+# what a role costs on its ring successor, in slot sizes: the replicas it keeps and the file the
+# next one arrives in (a reused spare between pushes)
+SUCCESSOR_FILES = REPLICA_VERSIONS + 1
 RESERVED = -1  # ``writing`` value of a slot handed out for a role's next save, step not yet known
 # Below this a commit checksums on the event loop (≤ ~0.5 ms held): handing it to a thread costs
 # ~0.1 ms of CPU here (two wake-ups), as much as checksumming 2 MiB, on cores training keeps busy.
@@ -350,6 +354,8 @@ class SlotStore:
                     "writing": sorted(s for s in rs.writing.values() if s != RESERVED),
                     "reserved": sum(1 for s in rs.writing.values() if s == RESERVED),
                     "unique_bytes": header.get("unique_nbytes"),
+                    # shared memory this role takes: its slots here, its replica files on the ring successor
+                    "memory": {"here_bytes": len(rs.paths) * rs.size, "successor_bytes": SUCCESSOR_FILES * rs.size},
                     "razored_bytes": newest[0].nbytes if newest else None,
                     "versions": [
                         {

@@ -32,10 +32,20 @@ from statestore.slots import SlotStore
 from statestore.transport._body import meta_prefix, read_meta_prefix
 from statestore.transport.base import PeerError, RemoteShard, Transport
 
-__all__ = ["HttpTransport", "meta_prefix", "peer_routes", "read_meta_prefix"]
+__all__ = ["HttpTransport", "meta_prefix", "peer_routes", "push_socket_options", "read_meta_prefix"]
 
 _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux
 _TRIED_KEPT = 4096
+
+
+def push_socket_options(sock: socket.socket, lowat: int) -> None:
+    """A push's socket keeps about ``lowat`` bytes unsent (the gate's chunk), and BBR keeps the
+    bottleneck's queue short: TRAIN does not start behind STATE."""
+    sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, lowat)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"bbr")
+    except OSError:
+        pass
 
 
 class HttpTransport(Transport):
@@ -56,11 +66,7 @@ class HttpTransport(Transport):
 
         def small_queue(info: Any) -> socket.socket:
             sock = socket.socket(family=info[0], type=info[1], proto=info[2])
-            sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, lowat)
-            try:  # BBR keeps the bottleneck's queue short: TRAIN does not start behind STATE
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"bbr")
-            except OSError:
-                pass
+            push_socket_options(sock, lowat)
             return sock
 
         self._push_session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(socket_factory=small_queue))
@@ -253,6 +259,10 @@ class Received(BaseModel):
     received: int
 
 
+class Transfer(BaseModel):
+    bulk_port: int | None
+
+
 class WholeReceived(BaseModel):
     received: int
     checksum: str
@@ -306,16 +316,25 @@ def _bounded_body(request: Request, limit: int) -> None:
         raise HTTPException(413, f"a body of {declared} bytes; at most {limit} fit here (the daemon's --budget-mb bounds a replica)")
 
 
-def peer_routes(token: str | None, slots: SlotStore, replicas: ReplicaStore, budget_bytes: int) -> APIRouter:
+def peer_routes(
+    token: str | None, slots: SlotStore, replicas: ReplicaStore, budget_bytes: int, bulk_port: Callable[[], int | None] = lambda: None
+) -> APIRouter:
     """The routes other daemons' ``HttpTransport`` calls: reads of the shards held here (from
     ``slots`` and ``replicas``), and replicas received into ``replicas``. Every one needs
-    ``token``; ``budget_bytes`` (the daemon's whole budget) bounds what a replica may announce."""
+    ``token``; ``budget_bytes`` (the daemon's whole budget) bounds what a replica may announce;
+    ``bulk_port``: where this daemon takes pushes on the bulk channel (None: it does not)."""
     router = APIRouter()
     needs_token = [Depends(BearerAuth(token))]
 
     def peer(*codes: int, **more: Any) -> dict[str, Any]:
         """What every peer route declares: the token, and the error statuses it answers."""
         return {"dependencies": needs_token, "responses": _errors(*codes), **more}
+
+    @router.get("/v1/transfer", **peer(401, 503, response_model=Transfer))
+    def transfer() -> dict[str, Any]:
+        """How replicas may be pushed here: the bulk channel's TCP port, on this daemon's host
+        (null: over the HTTP routes only) (peer API)."""
+        return {"bulk_port": bulk_port()}
 
     def _held(job: str, role: str, step: int) -> LocalShard:
         shard = find_local(slots, replicas, job, role, step)

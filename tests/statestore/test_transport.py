@@ -30,7 +30,7 @@ from statestore.protocol.checksum import checksum
 from statestore.replicas import ReplicaStore
 from statestore.shard import LocalShard, find_local
 from statestore.slots import SlotStore
-from statestore.transport import HttpTransport, PeerError, Transport
+from statestore.transport import BulkTransport, HttpTransport, PeerError, Transport
 from tests._servers import TOKEN
 from tests.statestore.conftest import daemon_state, start_ring
 from trainer_client import Checkpointer
@@ -56,6 +56,8 @@ def _closed_port() -> int:
 
 TRANSPORTS = [
     pytest.param(_Kind(HttpTransport, lambda d: d.url, lambda: f"http://127.0.0.1:{_closed_port()}"), id="http"),
+    # pushes on the daemons' bulk ports (found through their HTTP address), the rest over HTTP
+    pytest.param(_Kind(BulkTransport, lambda d: d.url, lambda: f"http://127.0.0.1:{_closed_port()}"), id="bulk"),
 ]
 
 

@@ -1,0 +1,412 @@
+"""The bulk channel: replica pushes on a TCP port of their own, sent from the shard's file with
+``sendfile`` and received straight into the replica's mapped file, hashed as each piece lands.
+
+Why not the HTTP routes (which remain, for pulls, questions and peers without a bulk port): uvicorn
+hands a request body over as fresh ``bytes`` objects, so every byte pushed cost an allocation, a
+copy into the file and the HTTP machinery per piece, and the sender staged a private copy of the
+shard before sending. Here a byte is copied once by the sender's kernel and once by the
+receiver's, as in a bare TCP transfer (``bench/save_cpu.py`` measures both; docs/decisions.md
+"Replicas on a bulk channel").
+
+A sender learns a peer's bulk port from ``GET /v1/transfer`` on its HTTP address, once. Frames are
+``bulk_wire``'s; one connection per peer carries one push after another. A push passes the link
+gate a chunk at a time, as HTTP pushes do, and ``TCP_NOTSENT_LOWAT`` keeps what sits unsent in the
+socket at about a chunk, so TRAIN never starts behind much STATE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+from dataserver.protocol.errors import CorruptError, FFPlaneError
+from statestore.link_gate import LinkGate, Priority
+from statestore.replicas import ReplicaStore
+from statestore.shard import LocalShard
+from statestore.transport.base import PeerError
+from statestore.transport.bulk_wire import HEAD_SIZE, REPLY_HEAD_SIZE, BulkFrameError, BulkHead, BulkMeta, BulkReply, Op
+from statestore.transport.http import HttpTransport, push_socket_options
+
+log = logging.getLogger(__name__)
+
+_CONNECT_S = 3.0
+_SCRATCH = bytearray(256 << 10)  # where the bytes of a refused request go (one event loop: shared)
+_STALL_S = 30.0  # no progress either way for this long: the peer is gone
+
+
+class BulkTransport(HttpTransport):
+    """Pushes over peers' bulk ports; pulls and shard questions over HTTP (``HttpTransport``). A
+    peer that has no bulk port is pushed to over HTTP."""
+
+    def __init__(self, gate: LinkGate, token: str | None) -> None:
+        super().__init__(gate, token)
+        self._token = token or ""
+        self._ports: dict[str, int | None] = {}  # HTTP address → its bulk port (None: it has none)
+        self._conns: dict[tuple[str, int], socket.socket] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+
+    async def close(self) -> None:
+        for sock in self._conns.values():
+            sock.close()
+        self._conns.clear()
+        await super().close()
+
+    async def push(
+        self,
+        base: str,
+        shard: LocalShard,
+        source: str,
+        newest: int | None,
+        urgent: Callable[[], bool] = lambda: False,
+        maybe_there: bool = False,
+    ) -> int:
+        port = await self._bulk_port(base)
+        if port is None:
+            return await super().push(base, shard, source, newest, urgent, maybe_there)
+        peer = (urlsplit(base).hostname or "", port)
+        async with self._locks.setdefault(peer, asyncio.Lock()):
+            try:
+                return await self._push(peer, shard, source, newest, urgent, maybe_there)
+            except PeerError as exc:
+                if exc.unreachable:
+                    self._ports.pop(base, None)  # a restarted daemon may listen elsewhere: ask again
+                raise
+
+    async def _bulk_port(self, base: str) -> int | None:
+        if base not in self._ports:
+            found = (await self._json("GET", f"{base}/v1/transfer")).get("bulk_port")
+            self._ports[base] = found if isinstance(found, int) and found > 0 else None
+        return self._ports[base]
+
+    async def _push(
+        self, peer: tuple[str, int], shard: LocalShard, source: str, newest: int | None, urgent: Callable[[], bool], maybe_there: bool
+    ) -> int:
+        meta = BulkMeta(self._token, shard.job, shard.role, shard.step, shard.nbytes, shard.checksum, shard.header, source, newest).pack()
+        attempt = (f"{peer[0]}:{peer[1]}", shard.job, shard.role, shard.step)
+        start = 0
+        if attempt in self._tried or maybe_there:  # it may hold part of it, or all: ask first
+            start = self._answer(await self._exchange(peer, BulkHead(Op.PROBE, len(meta), 0, 0), meta), shard).received
+        else:
+            if len(self._tried) > 4096:
+                self._tried.clear()  # only ever costs a retry the single-request path
+            self._tried.add(attempt)
+        for _ in range(2):  # a receiver holding part of it answers 409 with where to resume
+            if start == shard.nbytes:
+                self._tried.discard(attempt)
+                self.counts.already_there += 1
+                return 0
+            head = BulkHead(Op.PUSH, len(meta), start, shard.nbytes - start)
+            reply = await self._exchange(peer, head, meta, shard, urgent)
+            if reply.status == 409:
+                start = reply.received
+                continue
+            self._answer(reply, shard)
+            self._tried.discard(attempt)
+            if head.offset:
+                self.counts.resumed += 1
+            else:
+                self.counts.in_one_request += 1
+            return head.length
+        raise PeerError(f"{shard.role} step {shard.step}: the receiver's offset keeps moving (another sender?); will resume", 409)
+
+    @staticmethod
+    def _answer(reply: BulkReply, shard: LocalShard) -> BulkReply:
+        if reply.status != 200:
+            raise PeerError(f"bulk push of {shard.role} step {shard.step} answered {reply.status}: {reply.detail}", reply.status)
+        return reply
+
+    async def _exchange(
+        self,
+        peer: tuple[str, int],
+        head: BulkHead,
+        meta: bytes,
+        shard: LocalShard | None = None,
+        urgent: Callable[[], bool] = lambda: False,
+    ) -> BulkReply:
+        """One request and its reply on the peer's connection (opened if there is none)."""
+        sock = self._conns.get(peer)
+        loop = asyncio.get_running_loop()
+        if sock is None:
+            sock = await self._connect(peer)
+        try:
+            await asyncio.wait_for(loop.sock_sendall(sock, head.pack() + meta), _STALL_S)
+            if shard is not None and head.length:
+                await self._send_file(sock, shard, head.offset, head.offset + head.length, urgent)
+            return await self._reply(sock)
+        except (OSError, EOFError, asyncio.TimeoutError, BulkFrameError, ValueError) as exc:
+            self._conns.pop(peer, None)
+            sock.close()  # a request cut off midway leaves the connection unreadable
+            raise PeerError(f"bulk push to {peer[0]}:{peer[1]} failed: {exc!r}") from exc
+
+    async def _connect(self, peer: tuple[str, int]) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(peer[0], peer[1], type=socket.SOCK_STREAM)
+            family, kind, proto, _, address = infos[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise PeerError(f"bulk port {peer[0]}:{peer[1]}: {exc!r}", unreachable=True) from exc
+        try:
+            sock.setblocking(False)
+            push_socket_options(sock, self._gate.config.chunk_bytes)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await asyncio.wait_for(loop.sock_connect(sock, address), _CONNECT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            raise PeerError(f"bulk port {peer[0]}:{peer[1]} takes no connection: {exc!r}", unreachable=True) from exc
+        self._conns[peer] = sock
+        return sock
+
+    async def _send_file(self, sock: socket.socket, shard: LocalShard, start: int, end: int, urgent: Callable[[], bool]) -> None:
+        """``sendfile`` from the shard's file, a gate chunk at a time. A primary's slot may be
+        reused by a save while this runs (only for a version long superseded: a commit waits for
+        its replica); the receiver then finds the checksum wrong and keeps nothing."""
+        loop = asyncio.get_running_loop()
+        chunk = self._gate.config.chunk_bytes
+        fd = os.open(shard.path(), os.O_RDONLY)
+        try:
+            pos = start
+            while pos < end:
+                stop = min(pos + chunk, end)
+                await self._gate.acquire(Priority.REPLICATE, stop - pos, critical=urgent)
+                while pos < stop:
+                    try:
+                        sent = os.sendfile(sock.fileno(), fd, pos, stop - pos)
+                    except BlockingIOError:
+                        await _writable(loop, sock)
+                        continue
+                    if sent == 0:
+                        raise EOFError(f"{shard.rel} ends at {pos}, before the shard's {end} bytes")
+                    pos += sent
+        finally:
+            os.close(fd)
+
+    async def _reply(self, sock: socket.socket) -> BulkReply:
+        loop = asyncio.get_running_loop()
+        status, n = BulkReply.body_len(await _recv_exactly(loop, sock, REPLY_HEAD_SIZE))
+        return BulkReply.unpack(status, await _recv_exactly(loop, sock, n))
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(sock.fileno(), wake)
+    try:
+        await asyncio.wait_for(ready, _STALL_S)
+    finally:
+        loop.remove_writer(sock.fileno())
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = await asyncio.wait_for(loop.sock_recv_into(sock, view[got:]), _STALL_S)
+        if k == 0:
+            raise EOFError("the peer closed the bulk connection")
+        got += k
+    return buf
+
+
+# --- the receiver ------------------------------------------------------------------------------
+class BulkServer:
+    """The bulk port of a daemon: pushes land in ``replicas``. ``token``: the job's; ``budget_bytes``
+    bounds what one replica may announce."""
+
+    def __init__(self, token: str | None, replicas: ReplicaStore, budget_bytes: int) -> None:
+        self.token, self.replicas, self.budget_bytes = token, replicas, budget_bytes
+        self.port: int | None = None
+        self.pushes = 0
+        self.refused = 0
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Receiver(self), host or None, port, reuse_address=True)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def refusal(self, meta: BulkMeta) -> tuple[int, str] | None:
+        if not self.token:
+            return 503, "this daemon has no job token configured"
+        if not secrets.compare_digest(meta.token.encode(), self.token.encode()):
+            return 401, "missing or wrong job token"
+        if meta.nbytes > self.budget_bytes:
+            return 413, (
+                f"a replica of {meta.nbytes / 2**20:.1f} MiB is larger than this daemon's whole budget "
+                f"({self.budget_bytes / 2**20:.1f} MiB); raise --budget-mb on this node"
+            )
+        return None
+
+
+class _Receiver(asyncio.BufferedProtocol):
+    """One connection: a head, its metadata, then the bytes straight into the replica's mapping.
+    Reading pauses while a request is decided (``begin``, the lock) and while a finished one
+    is verified, so no byte of the next request arrives into the wrong buffer."""
+
+    def __init__(self, server: BulkServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self._want = bytearray(HEAD_SIZE)  # the head or the metadata being read
+        self._filled = 0
+        self._head: BulkHead | None = None
+        self._body: memoryview | None = None  # the replica's mapping while its bytes arrive
+        self._pos = self._end = 0
+        self._inc: Any = None
+        self._meta: BulkMeta | None = None
+        self._discard = 0  # bytes of a refused request still to read past
+        self._then: BulkReply | None = None  # the answer once they are
+        self._task: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is one in all but name
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._body is not None:
+            return self._body[self._pos : self._end]
+        if self._discard:
+            return memoryview(_SCRATCH)[: min(self._discard, len(_SCRATCH))]
+        return memoryview(self._want)[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._discard:
+            self._discard -= nbytes
+            if not self._discard and self._then is not None:
+                self._reply(self._then)
+            return
+        if self._body is not None:
+            self.server.replicas.landed(self._inc, self._body[self._pos : self._pos + nbytes])
+            self._pos += nbytes
+            if self._pos == self._end:
+                self._decide(self._complete())
+            return
+        self._filled += nbytes
+        if self._filled < len(self._want):
+            return
+        if self._head is None:
+            try:
+                self._head = BulkHead.unpack(self._want)
+            except BulkFrameError as exc:
+                self._refuse(400, str(exc))
+                return
+            self._want, self._filled = bytearray(self._head.meta_len), 0
+            if self._head.meta_len:
+                return
+        self._decide(self._start(bytes(self._want)))
+
+    def _decide(self, work: Any) -> None:
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self._task = asyncio.ensure_future(work)
+
+    async def _start(self, raw: bytes) -> None:
+        head = self._head
+        assert head is not None and self.transport is not None
+        try:
+            meta = BulkMeta.unpack(raw)
+        except ValueError as exc:
+            self._refuse(422, str(exc))
+            return
+        refused = self.server.refusal(meta)
+        if refused is not None:  # nothing from a peer without the token is read on
+            self._refuse(*refused)
+            return
+        if head.offset + head.length > meta.nbytes:
+            self._skip(BulkReply(400, detail=f"bytes {head.offset}..{head.offset + head.length} run past the shard's {meta.nbytes}"))
+            return
+        store = self.server.replicas
+        try:
+            held = store.begin(meta.job, meta.role, meta.step, meta.nbytes, meta.checksum, meta.header, meta.source)
+        except FFPlaneError as exc:
+            self._skip(BulkReply(413 if exc.status == 507 else exc.status, detail=str(exc)))
+            return
+        if head.op == Op.PROBE:
+            self._reply(BulkReply(200, held))
+            return
+        if held != head.offset:
+            self._skip(BulkReply(409, held, detail=f"{held} bytes of {meta.role} step {meta.step} are here; resume from there"))
+            return
+        try:
+            inc, body = await asyncio.to_thread(store.sink, meta.job, meta.role, meta.step)  # a new file's pages: off the loop
+            await inc.lock.acquire()
+        except FFPlaneError as exc:
+            self._skip(BulkReply(exc.status, detail=str(exc)))
+            return
+        if inc.received != head.offset:  # another transfer moved it meanwhile
+            inc.lock.release()
+            self._skip(BulkReply(409, inc.received, detail=f"{inc.received} bytes of {meta.role} step {meta.step} are here; resume"))
+            return
+        self._inc, self._body, self._pos, self._end, self._meta = inc, body, head.offset, head.offset + head.length, meta
+        if not head.length:
+            await self._complete()
+            return
+        self.transport.resume_reading()
+
+    async def _complete(self) -> None:
+        meta, end = self._meta, self._end
+        assert meta is not None
+        self._release()
+        reply = BulkReply(200, end)
+        if end == meta.nbytes:
+            try:
+                r = await self.server.replicas.finish(meta.job, meta.role, meta.step, meta.newest)
+                reply = BulkReply(200, end, r.checksum)
+                self.server.pushes += 1
+            except CorruptError as exc:
+                reply = BulkReply(422, 0, detail=str(exc))
+            except FFPlaneError as exc:
+                reply = BulkReply(exc.status, 0, detail=str(exc))
+        self._reply(reply)
+
+    def _release(self) -> None:
+        if self._inc is not None:
+            self._inc.lock.release()
+        self._inc, self._body = None, None
+
+    def _reply(self, reply: BulkReply) -> None:
+        """Answer, and read the next request's head."""
+        assert self.transport is not None
+        self.transport.write(reply.pack())
+        self._head, self._want, self._filled, self._then = None, bytearray(HEAD_SIZE), 0, None
+        self.transport.resume_reading()
+
+    def _skip(self, reply: BulkReply) -> None:
+        """A refused request from a peer with the token: read past its bytes, then answer (the
+        connection stays usable, and the sender reads the answer instead of a reset)."""
+        assert self.transport is not None and self._head is not None
+        self.server.refused += 1
+        self._discard = self._head.length
+        if not self._discard:
+            self._reply(reply)
+            return
+        self._then = reply
+        self.transport.resume_reading()
+
+    def _refuse(self, status: int, detail: str) -> None:
+        """Answer and close: nothing more is read from a peer without the token, or one whose
+        frames are not ours."""
+        assert self.transport is not None
+        self.server.refused += 1
+        self.transport.write(BulkReply(status, detail=detail).pack())
+        self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._release()  # what landed counts: the sender resumes after it

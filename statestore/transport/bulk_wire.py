@@ -1,0 +1,129 @@
+"""The frames of the bulk channel between daemons (``statestore.transport.bulk``): what a push
+sends before its bytes, and what the receiver answers after them.
+
+A request is a fixed little-endian head (``BulkHead``), then ``meta_len`` bytes of JSON
+(``BulkMeta``: the token and the shard's metadata, as the HTTP ``begin`` takes it), then
+``length`` bytes of the shard from ``offset``. A reply is a fixed head (status, JSON length) and
+JSON (``BulkReply``). Many requests follow one another on one connection.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+from typing import Any
+
+from statestore.protocol.names import check_name, check_step
+
+MAGIC = b"FFPB"
+VERSION = 1
+META_LIMIT = 64 << 20  # the shard header names every tensor; the HTTP routes take as much
+_HEAD = struct.Struct("<4sHHIQQ")
+_REPLY = struct.Struct("<HI")
+HEAD_SIZE = _HEAD.size
+REPLY_HEAD_SIZE = _REPLY.size
+_MAX_OFFSET = (1 << 63) - 1
+
+
+class Op(IntEnum):
+    PUSH = 1  # bytes follow; the receiver verifies and commits once the last one is in
+    PROBE = 2  # no bytes: where is the receiver with this shard (the offset to resume from)
+
+
+class BulkFrameError(ValueError):
+    """A frame that is not one of ours, or names what cannot be: the connection cannot be read on."""
+
+
+@dataclass(frozen=True)
+class BulkHead:
+    op: Op
+    meta_len: int
+    offset: int  # where the bytes that follow start in the shard
+    length: int  # how many follow (0 for a probe)
+
+    def pack(self) -> bytes:
+        return _HEAD.pack(MAGIC, VERSION, int(self.op), self.meta_len, self.offset, self.length)
+
+    @classmethod
+    def unpack(cls, raw: bytes | bytearray | memoryview) -> BulkHead:
+        magic, version, op, meta_len, offset, length = _HEAD.unpack(raw)
+        if magic != MAGIC:
+            raise BulkFrameError(f"not a bulk frame (starts {bytes(magic)!r}); this port takes only daemon pushes")
+        if version != VERSION:
+            raise BulkFrameError(f"bulk frame version {version}; this daemon speaks {VERSION}: run one ffplane version per ring")
+        try:
+            kind = Op(op)
+        except ValueError:
+            raise BulkFrameError(f"unknown bulk op {op}") from None
+        if meta_len > META_LIMIT:
+            raise BulkFrameError(f"metadata of {meta_len} bytes announced; at most {META_LIMIT}")
+        if offset > _MAX_OFFSET or length > _MAX_OFFSET - offset:
+            raise BulkFrameError(f"a range of {length} bytes at {offset} is past any shard")
+        if kind == Op.PROBE and length:
+            raise BulkFrameError("a probe carries no bytes")
+        return cls(kind, meta_len, offset, length)
+
+
+@dataclass(frozen=True)
+class BulkMeta:
+    """Who sends, and what: the shard's metadata, as ``ReplicaStore.begin`` takes it."""
+
+    token: str
+    job: str
+    role: str
+    step: int
+    nbytes: int
+    checksum: str
+    header: dict[str, Any]
+    source: str
+    newest: int | None = None  # the sender's newest committed step of the role, when it is the primary
+
+    def pack(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def unpack(cls, raw: bytes | bytearray | memoryview) -> BulkMeta:
+        """Raises ``ValueError`` naming what is wrong (the receiver answers 422, or 401 for the token)."""
+        try:
+            d = json.loads(bytes(raw))
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"bulk metadata is not JSON: {exc}") from None
+        if not isinstance(d, dict):
+            raise ValueError("bulk metadata is not a JSON object")
+        want = {"token": str, "job": str, "role": str, "step": int, "nbytes": int, "checksum": str, "header": dict, "source": str}
+        for key, typ in want.items():
+            if type(d.get(key)) is not typ:  # strict: a bool is not a size
+                raise ValueError(f"bulk metadata needs {key} as {typ.__name__}, got {type(d.get(key)).__name__}")
+        newest = d.get("newest")
+        if newest is not None and (type(newest) is not int or newest < 0):
+            raise ValueError(f"bulk metadata 'newest' must be a step or null, got {newest!r}")
+        if not 0 <= d["nbytes"] <= _MAX_OFFSET or not 0 < len(d["checksum"]) <= 128 or len(d["source"]) > 256:
+            raise ValueError("bulk metadata has an impossible size, checksum or source")
+        check_name(d["job"]), check_name(d["role"]), check_step(d["step"])
+        return cls(**{k: d[k] for k in want}, newest=newest)
+
+
+@dataclass(frozen=True)
+class BulkReply:
+    status: int  # as HTTP: 200, 401, 409 (resume from ``received``), 413, 422 (checksum), ...
+    received: int = 0  # bytes of the shard the receiver holds
+    checksum: str = ""  # of the whole shard, once verified and committed
+    detail: str = ""
+
+    def pack(self) -> bytes:
+        body = json.dumps({"received": self.received, "checksum": self.checksum, "detail": self.detail}, separators=(",", ":")).encode()
+        return _REPLY.pack(self.status, len(body)) + body
+
+    @staticmethod
+    def body_len(head: bytes | bytearray | memoryview) -> tuple[int, int]:
+        status, n = _REPLY.unpack(head)
+        if n > 1 << 20:
+            raise BulkFrameError(f"a bulk reply of {n} bytes")
+        return status, n
+
+    @classmethod
+    def unpack(cls, status: int, body: bytes | bytearray) -> BulkReply:
+        d = json.loads(bytes(body))
+        return cls(status, int(d.get("received", 0)), str(d.get("checksum", "")), str(d.get("detail", "")))

@@ -1,0 +1,146 @@
+"""The bulk channel between daemons (``statestore.transport.bulk``), spoken to by hand: a cut-off push
+resumes from what landed, damaged bytes never count, strangers are cut off, and a role's replica
+files are reused. The transport contract (``test_transport.py``, id ``bulk``) covers the client."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import xxhash
+
+from ffplane_harness.local_cluster import LocalCluster
+from statestore.transport.bulk_wire import REPLY_HEAD_SIZE, BulkHead, BulkMeta, BulkReply, Op
+from tests._servers import TOKEN, until
+from tests.statestore.conftest import daemon_state, start_ring
+from trainer_client import Checkpointer
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DATA = bytes(range(256)) * 1024
+ROLE = "dpX"
+
+
+def _connect(c: LocalCluster, node: int) -> socket.socket:
+    port = httpx.get(c.daemons[node].url + "/v1/transfer", headers=AUTH).json()["bulk_port"]
+    return socket.create_connection(("127.0.0.1", port), timeout=30)
+
+
+def _meta(step: int, data: bytes = DATA, token: str = TOKEN) -> bytes:
+    digest = xxhash.xxh3_64_hexdigest(data)
+    return BulkMeta(token, "job", ROLE, step, len(data), digest, {"layout_roles": [ROLE]}, "elsewhere", newest=step).pack()
+
+
+def _ask(sock: socket.socket, op: Op, meta: bytes, offset: int = 0, body: bytes = b"") -> BulkReply:
+    sock.sendall(BulkHead(op, len(meta), offset, len(body)).pack() + meta + body)
+    head = _read(sock, REPLY_HEAD_SIZE)
+    status, n = BulkReply.body_len(head)
+    return BulkReply.unpack(status, _read(sock, n))
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        piece = sock.recv(n - len(got))
+        if not piece:
+            raise EOFError(f"closed after {len(got)} of {n} bytes")
+        got += piece
+    return got
+
+
+def _ring_of_two(c: LocalCluster, *extra: str) -> None:
+    """Two daemons, node 0 knowing node 1 as its successor (commits before that are not pushed)."""
+    start_ring(c, 2, *extra)
+    until(lambda: daemon_state(c, 0)["coordinator"].get("successor") == "n1", what="node 0 to know its successor")
+
+
+def _replicas(c: LocalCluster, node: int) -> list[tuple[int, str]]:
+    return sorted((r["step"], r["kind"]) for r in daemon_state(c, node)["replicas"] if r["role"] == ROLE)
+
+
+def test_a_cut_push_resumes_from_what_landed_and_counts_only_once_verified(cluster: LocalCluster) -> None:
+    start_ring(cluster, 1)
+    with _connect(cluster, 0) as s:  # the sender dies 100 kB in
+        s.sendall(BulkHead(Op.PUSH, len(_meta(7)), 0, len(DATA)).pack() + _meta(7) + DATA[:100_000])
+    until(lambda: any(r.get("received") == 100_000 for r in daemon_state(cluster, 0)["replicas"]), what="the cut push's bytes landed")
+    assert _replicas(cluster, 0) == [(7, "incoming")]  # nothing counts yet
+    with _connect(cluster, 0) as s:
+        assert _ask(s, Op.PROBE, _meta(7)).received == 100_000
+        wrong = _ask(s, Op.PUSH, _meta(7), 0, DATA)  # from the start again: told where to resume, connection kept
+        assert (wrong.status, wrong.received) == (409, 100_000)
+        done = _ask(s, Op.PUSH, _meta(7), 100_000, DATA[100_000:])
+        assert (done.status, done.received, done.checksum) == (200, len(DATA), xxhash.xxh3_64_hexdigest(DATA))
+        # bytes damaged on the way: refused, nothing kept, and the connection still takes the next push
+        damaged = _ask(s, Op.PUSH, _meta(8), 0, DATA[:-1] + b"\0")
+        assert damaged.status == 422 and "checksum" in damaged.detail
+        assert _ask(s, Op.PUSH, _meta(9), 0, DATA).status == 200
+    assert _replicas(cluster, 0) == [(7, "replica"), (9, "replica")]
+    shard = httpx.get(cluster.daemons[0].url + f"/v1/state/job/{ROLE}/7/shard", headers=AUTH)
+    assert shard.content == DATA
+
+
+@pytest.mark.parametrize(
+    "frame, status",
+    [
+        (b"PUT /v1/replicas HTTP/1.1\r\nHost: n0\r\n\r\n", 400),  # not a bulk frame
+        (BulkHead(Op.PUSH, len(_meta(3, token="not-the-token")), 0, len(DATA)).pack() + _meta(3, token="not-the-token") + DATA, 401),
+        (BulkHead(Op.PUSH, 9, 0, 4).pack() + b'{"job":1}' + b"abcd", 422),
+    ],
+    ids=["http", "wrong-token", "bad-metadata"],
+)
+def test_what_is_not_ours_is_answered_then_cut_off(cluster: LocalCluster, frame: bytes, status: int) -> None:
+    start_ring(cluster, 1)
+    assert httpx.get(cluster.daemons[0].url + "/v1/transfer").status_code == 401  # the port is told only to the job
+    with _connect(cluster, 0) as s:
+        s.sendall(frame)
+        head = _read(s, REPLY_HEAD_SIZE)
+        code, n = BulkReply.body_len(head)
+        reply = BulkReply.unpack(code, _read(s, n))
+        assert reply.status == status and reply.detail
+        s.settimeout(10)
+        try:  # closed: nothing more of it is read (a reset, where unread bytes were left)
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    assert _replicas(cluster, 0) == []
+    assert daemon_state(cluster, 0)["transfer"]["bulk_refused"] == 1
+
+
+def test_a_roles_replica_files_are_reused_and_hold_its_bytes(cluster: LocalCluster) -> None:
+    """Every commit of node 0 goes to node 1 over the bulk port; from the fourth on, each lands in
+    the file of the version it retired (pages allocated and mapped already), bitwise."""
+    _ring_of_two(cluster)
+    ck = Checkpointer("job", socket_path=cluster.socket(0))
+    try:
+        for step in range(8):
+            ck.save(step, {"w": torch.randn(512, 300, generator=torch.Generator().manual_seed(step))})
+        ck.wait()
+    finally:
+        ck.close()
+    until(lambda: daemon_state(cluster, 1)["transfer"]["bulk_pushes_received"] >= 8, what="eight pushes on the bulk port")
+    got = daemon_state(cluster, 1)
+    assert got["transfer"]["reused_files"] >= 5  # the first three found no spare
+    primary = {v["step"]: v for v in daemon_state(cluster, 0)["roles"][0]["versions"]}
+    for r in got["replicas"]:
+        slot = (cluster.roots[0] / primary[r["step"]]["slot"]).read_bytes()[: r["nbytes"]]
+        held = Path(cluster.roots[1] / "job" / "replica" / r["role"] / f"{r['step']:012d}.bin").read_bytes()
+        assert held == slot and r["checksum"] == xxhash.xxh3_64_hexdigest(held)
+    role = got["roles"] or daemon_state(cluster, 0)["roles"]
+    memory = role[0]["memory"]
+    assert memory == {"here_bytes": 4 * role[0]["slot_bytes"], "successor_bytes": 3 * role[0]["slot_bytes"]}
+
+
+def test_a_daemon_without_a_bulk_port_takes_pushes_over_http(cluster: LocalCluster) -> None:
+    _ring_of_two(cluster, "--bulk-port", "-1")
+    assert httpx.get(cluster.daemons[1].url + "/v1/transfer", headers=AUTH).json() == {"bulk_port": None}
+    ck = Checkpointer("job", socket_path=cluster.socket(0))
+    try:
+        for step in range(3):
+            ck.save(step, {"w": torch.full((1000,), float(step))})
+        ck.wait()
+    finally:
+        ck.close()
+    assert daemon_state(cluster, 0)["replication"]["pushes_in_one_request"] == 3
+    assert daemon_state(cluster, 1)["transfer"]["bulk_port"] is None
