@@ -292,6 +292,8 @@ def create_app(daemon: Daemon) -> FastAPI:
             "replicas": daemon.state.replicas.describe(),
             "replication": daemon.state.replicator.describe() if daemon.state.replicator else None,
             "pulled_bytes": daemon.state.pulled_bytes,
+            "commit_parts": slots.commit_parts.describe(),
+            "replica_parts": replicas.finish_parts.describe(),
             "transfer": {
                 "bulk_port": daemon.bulk.port if daemon.bulk else None,
                 "bulk_pushes_received": daemon.bulk.pushes if daemon.bulk else 0,

@@ -53,10 +53,11 @@ class Index:
             return None, f"damaged: {exc}"
         return index, ""
 
-    def put(self, key: str, value: dict[str, Any], replacing: Iterable[str] = ()) -> None:
-        """Store ``value`` at ``key`` and delete the keys it replaces, in one transaction."""
+    def put(self, key: str, value: dict[str, Any] | bytes, replacing: Iterable[str] = ()) -> None:
+        """Store ``value`` (or its JSON, ``encode``d once for the sidecar too) at ``key`` and
+        delete the keys it replaces, in one transaction."""
         with self._env.begin(write=True) as txn:
-            txn.put(key.encode(), json.dumps(value).encode())
+            txn.put(key.encode(), value if isinstance(value, bytes) else encode(value))
             for old in replacing:
                 txn.delete(old.encode())
 
@@ -91,13 +92,18 @@ def holds_state(root: Path) -> bool:
     return any(root.glob("*/state/*/slot-*.bin")) or any(root.glob("*/replica/*/*.bin"))
 
 
-def write_sidecar(file: Path, value: dict[str, Any]) -> None:
-    """Record ``value`` beside ``file`` (temporary name, then rename: never half-written)."""
+def encode(value: dict[str, Any]) -> bytes:
+    """A record as the index and the sidecars hold it."""
+    return json.dumps(value).encode()
+
+
+def write_sidecar(file: Path, value: dict[str, Any] | bytes) -> None:
+    """Record ``value`` (or its ``encode``) beside ``file`` (temporary name, then rename: never half-written)."""
     final = file.with_name(file.name + SIDECAR)
     tmp = tmp_path(final)  # reclaimed at start-up if a crash leaves it
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, json.dumps(value).encode())
+        os.write(fd, value if isinstance(value, bytes) else encode(value))
     finally:
         os.close(fd)
     os.replace(tmp, final)

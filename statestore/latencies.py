@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Histogram
 
-__all__ = ["Latencies"]
+__all__ = ["Latencies", "Parts"]
 
 
 class Latencies:
@@ -24,3 +24,22 @@ class Latencies:
 
     def all(self) -> list[Histogram]:
         return [self.save_block, self.commit, self.replication, self.restore]
+
+
+class Parts:
+    """Where the time of a repeated operation goes, part by part: the fixed per-save costs
+    ``/v1/state`` shows (mean microseconds) and ``bench/save_cpu.py`` sets beside their floors."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._seconds: dict[str, float] = {}
+
+    def add(self, part: str, seconds: float) -> None:
+        self._seconds[part] = self._seconds.get(part, 0.0) + seconds
+
+    def done(self) -> None:
+        self.count += 1
+
+    def describe(self) -> dict[str, float]:
+        n = max(self.count, 1)
+        return {"count": self.count, **{f"{k}_us": round(v / n * 1e6, 1) for k, v in self._seconds.items()}}

@@ -27,7 +27,8 @@ from typing import Any
 
 from dataserver.protocol.errors import CapacityError, CorruptError, FFPlaneError, TransferOrderError
 from statestore import shm
-from statestore.index import Index, remove_sidecar, write_sidecar
+from statestore.index import Index, encode, remove_sidecar, write_sidecar
+from statestore.latencies import Parts
 from statestore.protocol.checksum import streaming_checksum
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class ReplicaStore:
         self._spares: dict[tuple[str, str], _Spare] = {}
         self.received_bytes = 0
         self.reused_files = 0  # receives that landed in a spare instead of a fresh file
+        self.finish_parts = Parts()  # where making a received replica count goes (/v1/state)
 
     def reattach(self) -> int:
         n = 0
@@ -244,6 +246,7 @@ class ReplicaStore:
                 return done
             raise TransferOrderError(f"no transfer of {role} step {step} to finish")
         async with inc.lock:
+            started = time.perf_counter()
             r = inc.meta
             if inc.received != r.nbytes:
                 raise TransferOrderError(f"only {inc.received} of {r.nbytes} bytes of {role} step {step} received")
@@ -260,9 +263,13 @@ class ReplicaStore:
                 self._maps[r.path] = inc.sink
                 self._writable.add(r.path)
             r.complete_at = time.time()
-            entry = dict(vars(r))  # shallow: the header is not copied
+            recorded = time.perf_counter()
+            entry = encode(vars(r))  # once, for the index and the sidecar
             self.index.put(_key(job, role, step), entry)
+            indexed = time.perf_counter()
             write_sidecar(self.root / r.path, entry)  # what a rebuild of a lost index adopts (after verifying it)
+            self.finish_parts.add("index", indexed - recorded)
+            self.finish_parts.add("sidecar", time.perf_counter() - indexed)
             versions = self.complete.setdefault((job, role), {})
             versions[step] = r
             # as with slots: a "future" the primary rewound from (it restored an older step and
@@ -275,6 +282,8 @@ class ReplicaStore:
             for s in stale:
                 self._retire(versions.pop(s))
             self._purge()
+            self.finish_parts.add("total", time.perf_counter() - started)
+            self.finish_parts.done()
             log.info("shard received", extra={"job": job, "role": role, "step": step, "bytes": r.nbytes, "from": r.source, "kind": r.kind})
             return r
 

@@ -30,7 +30,8 @@ from dataserver.protocol.errors import (
 )
 from dataserver.protocol.restorable import Layouts, whole_steps
 from statestore import shm
-from statestore.index import Index, remove_sidecar, write_sidecar
+from statestore.index import Index, encode, remove_sidecar, write_sidecar
+from statestore.latencies import Parts
 from statestore.protocol.checksum import ALGORITHM, checksum
 from statestore.protocol.shard import layout_roles
 from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
@@ -97,6 +98,7 @@ class SlotStore:
         self._used_elsewhere = used_elsewhere  # () -> bytes the data cache holds
         self.roles: dict[tuple[str, str], RoleState] = {}
         self._maps: dict[str, mmap.mmap] = {}
+        self.commit_parts = Parts()  # where a commit's time goes (/v1/state)
 
     # --- lifecycle -----------------------------------------------------------------------
     def reattach(self) -> int:
@@ -254,6 +256,7 @@ class SlotStore:
         mm = self.mapped(slot)
         data = memoryview(mm)[:nbytes]
         digest = checksum(data) if nbytes <= INLINE_CHECKSUM_BYTES else await asyncio.to_thread(checksum, data)
+        hashed = time.perf_counter()
         if static:
             if static_header is not None and static not in rs.statics:
                 rs.statics[static] = static_header
@@ -267,9 +270,15 @@ class SlotStore:
         kept = {*rs.versions, step}
         stale = [s for s in kept if s > step] + sorted(s for s in kept if s <= step)[:-KEEP_VERSIONS]
         # the commit point, and the index forgets what it replaces in the same transaction
-        entry = version.index_entry()
+        recorded = time.perf_counter()
+        entry = encode(version.index_entry())  # once, for the index and the sidecar
         self.index.put(version_key(job, role, step), entry, replacing=(version_key(job, role, s) for s in stale))
+        indexed = time.perf_counter()
         write_sidecar(self.root / slot, entry)  # what a rebuild of a lost index adopts (after verifying it)
+        parts = self.commit_parts
+        parts.add("checksum", hashed - started)
+        parts.add("index", indexed - recorded)
+        parts.add("sidecar", time.perf_counter() - indexed)
         rs.versions[step] = version
         rs.writing.pop(slot, None)
         dropped = {rs.versions[s].path for s in stale}
@@ -279,6 +288,8 @@ class SlotStore:
             self._release_unreferenced(rs, dropped - set(rs.paths))
         if len(rs.statics) > 1:
             self._forget_statics(rs)
+        parts.add("total", time.perf_counter() - started)
+        parts.done()
         return version
 
     def _forget_statics(self, rs: RoleState) -> None:

@@ -29,13 +29,15 @@ from dataserver.protocol.errors import CorruptError, FFPlaneError
 from statestore.link_gate import LinkGate, Priority
 from statestore.replicas import ReplicaStore
 from statestore.shard import LocalShard
+from statestore.transport._sockets import TCP_NOTSENT_LOWAT, push_socket_options
 from statestore.transport.base import PeerError
 from statestore.transport.bulk_wire import HEAD_SIZE, REPLY_HEAD_SIZE, BulkFrameError, BulkHead, BulkMeta, BulkReply, Op
-from statestore.transport.http import HttpTransport, push_socket_options
+from statestore.transport.http import HttpTransport
 
 log = logging.getLogger(__name__)
 
 _CONNECT_S = 3.0
+_NO_LOWAT = 0x7FFFFFFF  # the unsent limit lifted: the send buffer's size bounds what is queued
 _SCRATCH = bytearray(256 << 10)  # where the bytes of a refused request go (one event loop: shared)
 _STALL_S = 30.0  # no progress either way for this long: the peer is gone
 
@@ -164,17 +166,25 @@ class BulkTransport(HttpTransport):
         return sock
 
     async def _send_file(self, sock: socket.socket, shard: LocalShard, start: int, end: int, urgent: Callable[[], bool]) -> None:
-        """``sendfile`` from the shard's file, a gate chunk at a time. A primary's slot may be
+        """``sendfile`` from the shard's file, a gate chunk at a time — or all at once while the
+        push is urgent (a commit, and so the workers' next all-reduce, waits for it: TRAIN is held
+        up by this push, not the other way round), with the socket's unsent limit lifted, so the
+        kernel moves it in a few calls instead of a wake-up per chunk. A primary's slot may be
         reused by a save while this runs (only for a version long superseded: a commit waits for
         its replica); the receiver then finds the checksum wrong and keeps nothing."""
         loop = asyncio.get_running_loop()
         chunk = self._gate.config.chunk_bytes
+        lowat = chunk
         fd = os.open(shard.path(), os.O_RDONLY)
         try:
             pos = start
             while pos < end:
-                stop = min(pos + chunk, end)
-                await self._gate.acquire(Priority.REPLICATE, stop - pos, critical=urgent)
+                whole = urgent()
+                if lowat != (_NO_LOWAT if whole else chunk):
+                    lowat = _NO_LOWAT if whole else chunk
+                    sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, lowat)
+                stop = end if whole else min(pos + chunk, end)
+                await self._gate.acquire(Priority.REPLICATE, stop - pos, critical=whole or urgent)
                 while pos < stop:
                     try:
                         sent = os.sendfile(sock.fileno(), fd, pos, stop - pos)
@@ -186,6 +196,8 @@ class BulkTransport(HttpTransport):
                     pos += sent
         finally:
             os.close(fd)
+            if lowat != chunk:
+                sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, chunk)
 
     async def _reply(self, sock: socket.socket) -> BulkReply:
         loop = asyncio.get_running_loop()

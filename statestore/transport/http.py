@@ -30,22 +30,12 @@ from statestore.replicas import Replica, ReplicaStore
 from statestore.shard import LocalShard, find_local
 from statestore.slots import SlotStore
 from statestore.transport._body import meta_prefix, read_meta_prefix
+from statestore.transport._sockets import push_socket_options
 from statestore.transport.base import PeerError, RemoteShard, Transport
 
-__all__ = ["HttpTransport", "meta_prefix", "peer_routes", "push_socket_options", "read_meta_prefix"]
+__all__ = ["HttpTransport", "meta_prefix", "peer_routes", "read_meta_prefix"]
 
-_TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux
 _TRIED_KEPT = 4096
-
-
-def push_socket_options(sock: socket.socket, lowat: int) -> None:
-    """A push's socket keeps about ``lowat`` bytes unsent (the gate's chunk), and BBR keeps the
-    bottleneck's queue short: TRAIN does not start behind STATE."""
-    sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, lowat)
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"bbr")
-    except OSError:
-        pass
 
 
 class HttpTransport(Transport):
