@@ -53,6 +53,21 @@ def _interpolate(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)(?::[?-][^}]*)?\}", lambda m: env[m.group(1)], value)
 
 
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed (.ci/run installs Debian's)")
+def test_compose_reads_the_file_as_shipped() -> None:
+    """``docker-compose config``: the file parses as Compose does it, and refuses to run without
+    the job token rather than with an empty one."""
+    env = {k: v for k, v in os.environ.items() if k != "FFPLANE_TOKEN"}
+    cmd = ["docker-compose", "-f", str(COMPOSE), "config"]
+    refused = subprocess.run(cmd + ["-q"], capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode != 0 and "set FFPLANE_TOKEN" in refused.stderr
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**env, "FFPLANE_TOKEN": TOKEN}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    resolved = yaml.safe_load(done.stdout)
+    assert set(resolved["services"]) == set(_compose()["services"])
+    assert all(svc["environment"]["FFPLANE_TOKEN"] == TOKEN for svc in resolved["services"].values())
+
+
 def test_the_compose_file_is_consistent() -> None:
     c = _compose()
     services, volumes = c["services"], c["volumes"]

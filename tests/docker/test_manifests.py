@@ -30,6 +30,28 @@ def test_the_manifests_validate_strictly() -> None:
     assert "passed" in done.stdout and "failed" not in done.stdout.lower()
 
 
+def test_the_pytorchjob_runs_the_same_pod(tmp_path: Path) -> None:
+    """The Kubeflow PyTorchJob (a CRD, so kubernetes-validate has no schema for it): its pod
+    template validates strictly as a PodTemplate, and it runs what the plain Job runs."""
+    (job,) = yaml.safe_load_all((REPO / "docker" / "k8s" / "operators" / "pytorchjob.yaml").read_text())
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"} and sum(r["replicas"] for r in specs.values()) == 2
+    template = specs["Master"]["template"]
+    assert specs["Worker"]["template"] == template
+    as_pod = tmp_path / "pod.yaml"
+    as_pod.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "pytorch"}, "template": template}))
+    done = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", str(as_pod)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (container,) = template["spec"]["containers"]
+    assert container["name"] == "pytorch"  # the operator finds its container by that name
+    plain = _docs()["Job/ffplane-train"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["env"] == plain["env"] and container["volumeMounts"] == plain["volumeMounts"]
+    command = container["command"][-1]
+    assert "$MASTER_ADDR:$MASTER_PORT" in command and "keep_alive_interval" in command and "examples/train_ffplane.py" in command
+
+
 def test_the_manifests_say_what_multi_host_needs() -> None:
     docs = _docs()
     deploy = docs["Deployment/ffplane-dataserver"]["spec"]
@@ -44,6 +66,8 @@ def test_the_manifests_say_what_multi_host_needs() -> None:
     args = daemon["args"]
     assert _arg(args, "--host") == "0.0.0.0" and _arg(args, "--advertise-address") == "$(NODE_IP)"
     assert _arg(args, "--dataserver").startswith("http://ffplane-dataserver:")  # the Service name resolves
+    bulk = int(_arg(args, "--bulk-port"))  # fixed, so a firewall between nodes can let it through
+    assert {"containerPort": bulk, "name": "bulk", "protocol": "TCP"} in daemon["ports"]
     budget_mib = int(_arg(args, "--budget-mb"))
     (init,) = daemonset["initContainers"]
     size = int(init["command"][-1].split("size=")[1].split("m,")[0])
