@@ -192,6 +192,11 @@ class ReplicaStore:
                 pass
         return inc, memoryview(inc.sink)[: inc.meta.nbytes]
 
+    def sink_mapped(self, job: str, role: str, step: int) -> bool:
+        """Whether ``sink`` has the transfer's file mapped already (a reused spare): no pages to allocate."""
+        inc = self._incoming.get((job, role, step))
+        return inc is not None and (inc.sink is not None or inc.meta.nbytes == 0)
+
     def landed(self, inc: _Incoming, piece: memoryview) -> None:
         """``piece``, the next bytes of ``inc`` in order, is in its file: hash it while it is in cache."""
         inc.hasher.update(piece)
@@ -284,7 +289,10 @@ class ReplicaStore:
             self._purge()
             self.finish_parts.add("total", time.perf_counter() - started)
             self.finish_parts.done()
-            log.info("shard received", extra={"job": job, "role": role, "step": step, "bytes": r.nbytes, "from": r.source, "kind": r.kind})
+            # a push per role per step is counted in /v1/state and /metrics; a line each only when asked
+            (log.info if r.kind == "pulled" else log.debug)(
+                "shard received", extra={"job": job, "role": role, "step": step, "bytes": r.nbytes, "from": r.source, "kind": r.kind}
+            )
             return r
 
     def _purge(self, idle_s: float = 60.0) -> None:

@@ -262,7 +262,7 @@ class Replicator:
                 self.replicated[(job, role)] = (step, succ)
                 self._progress.set()
                 self._progress = asyncio.Event()
-            log.info(
+            log.debug(  # every push, every step: counted in /v1/state and /metrics
                 "replicated",
                 extra={
                     "job": job,

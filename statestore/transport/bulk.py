@@ -354,7 +354,10 @@ class _Receiver(asyncio.BufferedProtocol):
             self._skip(BulkReply(409, held, detail=f"{held} bytes of {meta.role} step {meta.step} are here; resume from there"))
             return
         try:
-            inc, body = await asyncio.to_thread(store.sink, meta.job, meta.role, meta.step)  # a new file's pages: off the loop
+            if store.sink_mapped(meta.job, meta.role, meta.step):  # a reused file: mapped already
+                inc, body = store.sink(meta.job, meta.role, meta.step)
+            else:  # a new file's pages are allocated as it is mapped: off the loop
+                inc, body = await asyncio.to_thread(store.sink, meta.job, meta.role, meta.step)
             await inc.lock.acquire()
         except FFPlaneError as exc:
             self._skip(BulkReply(exc.status, detail=str(exc)))
