@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -321,10 +321,18 @@ class _Receiver(asyncio.BufferedProtocol):
                 return
         self._decide(self._start(bytes(self._want)))
 
-    def _decide(self, work: Any) -> None:
+    def _decide(self, work: Coroutine[Any, Any, None]) -> None:
         assert self.transport is not None
         self.transport.pause_reading()
-        self._task = asyncio.ensure_future(work)
+        self._task = asyncio.ensure_future(self._guarded(work))
+
+    async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
+        try:
+            await work
+        except Exception:  # noqa: BLE001 - a bug must cost this connection, not the transfer's lock
+            log.exception("bulk receive failed; connection closed")
+            self._release()
+            self._refuse(500, "the receiving daemon failed; see its log")
 
     async def _start(self, raw: bytes) -> None:
         head = self._head
@@ -362,6 +370,9 @@ class _Receiver(asyncio.BufferedProtocol):
         except FFPlaneError as exc:
             self._skip(BulkReply(exc.status, detail=str(exc)))
             return
+        if self.transport.is_closing():  # the sender went while this waited: the lock must not stay held
+            inc.lock.release()
+            return
         if inc.received != head.offset:  # another transfer moved it meanwhile
             inc.lock.release()
             self._skip(BulkReply(409, inc.received, detail=f"{inc.received} bytes of {meta.role} step {meta.step} are here; resume"))
@@ -396,6 +407,8 @@ class _Receiver(asyncio.BufferedProtocol):
     def _reply(self, reply: BulkReply) -> None:
         """Answer, and read the next request's head."""
         assert self.transport is not None
+        if self.transport.is_closing():
+            return
         self.transport.write(reply.pack())
         self._head, self._want, self._filled, self._then = None, bytearray(HEAD_SIZE), 0, None
         self.transport.resume_reading()
@@ -405,6 +418,8 @@ class _Receiver(asyncio.BufferedProtocol):
         connection stays usable, and the sender reads the answer instead of a reset)."""
         assert self.transport is not None and self._head is not None
         self.server.refused += 1
+        if self.transport.is_closing():
+            return
         self._discard = self._head.length
         if not self._discard:
             self._reply(reply)
@@ -417,8 +432,9 @@ class _Receiver(asyncio.BufferedProtocol):
         frames are not ours."""
         assert self.transport is not None
         self.server.refused += 1
-        self.transport.write(BulkReply(status, detail=detail).pack())
-        self.transport.close()
+        if not self.transport.is_closing():
+            self.transport.write(BulkReply(status, detail=detail).pack())
+            self.transport.close()
 
     def eof_received(self) -> bool:
         return False
