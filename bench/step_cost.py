@@ -10,7 +10,8 @@ every step, the comm hook with one all-reduce per step in parameter order), and 
 (bench/_ablate_job.py): ``per_tensor`` (the hook without the model: one all-reduce per gradient,
 the previous default), ``buckets`` (DDP's bucket all-reduce: fast, not bitwise-stable across a
 restore with > 2 ranks), ``no_hook`` (no link hints, no wait for the last save's replica),
-``no_save``. A step here is tiny (~25 ms of compute on 4 workers sharing 2 cores), so fixed
+``no_save``; and of the daemons (each in a cluster of its own, after the others): ``http_push``
+(replicas pushed over HTTP, ``--bulk-port -1``), ``no_replicate`` (no replicas at all). A step here is tiny (~25 ms of compute on 4 workers sharing 2 cores), so fixed
 per-step costs show at their worst; real steps are 100-1000x longer.
 
 Writes bench/results/step_cost.json.
@@ -35,7 +36,9 @@ from ffplane_harness.job_runner import LocalJobs  # noqa: E402
 
 PLAIN = Path(__file__).resolve().parent / "_plain_job.py"
 ABLATE = Path(__file__).resolve().parent / "_ablate_job.py"
-VARIANTS = ("plain", "ffplane", "per_tensor", "buckets", "no_hook", "no_save")
+VARIANTS = ("plain", "ffplane", "per_tensor", "buckets", "no_hook", "no_save", "http_push", "no_replicate")
+# variants of the daemons rather than the job: run as ffplane, on daemons started with these flags
+DAEMON_ARGS = {"http_push": ["--bulk-port", "-1"], "no_replicate": ["--no-replicate"]}
 
 
 def steps_per_min(jobs: LocalJobs, variant: str, job: str) -> float:
@@ -46,7 +49,7 @@ def steps_per_min(jobs: LocalJobs, variant: str, job: str) -> float:
         jobs.script_args = ["--data", str(jobs.work / "tokens.parquet"), "--save-every", str(10**9)]
     else:
         jobs.script, jobs.script_args = ABLATE, []
-        os.environ["FFPLANE_ABLATE"] = "" if variant == "ffplane" else variant
+        os.environ["FFPLANE_ABLATE"] = "" if variant in ("ffplane", *DAEMON_ARGS) else variant
         jobs.post("/v1/jobs", {"name": job, "dataset": "tokens", "dp": 4, "batch_per_rank": 8, "seed": 0, "max_steps": jobs.steps})
     nodes = jobs.launch_job(job, [0, 1])
     jobs.wait_done(nodes, timeout_s=600)
@@ -70,21 +73,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown or "plain" not in variants:
         raise SystemExit(f"--variants must include plain and come from {VARIANTS}; got {sorted(unknown) or variants}")
     samples: dict[str, list[float]] = {v: [] for v in variants}
-    work = Path(tempfile.mkdtemp(prefix="ffplane-step-cost-"))
-    jobs = LocalJobs(work, args.steps)
-    try:
-        jobs.prepare([], rows=8192)
-        runs = 0
-        for r in range(args.repeats):
-            for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotate: drift hits all alike
-                runs += 1
-                t = time.monotonic()
-                samples[v].append(steps_per_min(jobs, v, f"run{runs}"))
-                print(f"repeat {r} {v:11s} {samples[v][-1]:7.1f} steps/min  ({time.monotonic() - t:.0f} s)", flush=True)
-    finally:
-        os.environ.pop("FFPLANE_ABLATE", None)
-        jobs.close()
-        shutil.rmtree(work, ignore_errors=True)
+    # one cluster per daemon configuration; within one, variants rotate so drift hits all alike
+    groups = [[v for v in variants if v not in DAEMON_ARGS]] + [[v] for v in variants if v in DAEMON_ARGS]
+    runs = 0
+    for group in groups:
+        work = Path(tempfile.mkdtemp(prefix="ffplane-step-cost-"))
+        jobs = LocalJobs(work, args.steps)
+        try:
+            jobs.prepare([], rows=8192, daemon_args=DAEMON_ARGS.get(group[0], []))
+            for r in range(args.repeats):
+                for v in group[r % len(group) :] + group[: r % len(group)]:
+                    runs += 1
+                    t = time.monotonic()
+                    samples[v].append(steps_per_min(jobs, v, f"run{runs}"))
+                    print(f"repeat {r} {v:12s} {samples[v][-1]:7.1f} steps/min  ({time.monotonic() - t:.0f} s)", flush=True)
+        finally:
+            os.environ.pop("FFPLANE_ABLATE", None)
+            jobs.close()
+            shutil.rmtree(work, ignore_errors=True)
     figures = {
         f"steps_per_min_{v}": {"min": min(s), "median": statistics.median(s), "max": max(s), "samples": s} for v, s in samples.items()
     }
