@@ -139,6 +139,10 @@ class ReplicaStore:
             inc = None
         if inc is None:
             spare = self._spares.pop((job, role), None)
+            if spare is not None and spare.size != nbytes:
+                # never truncated: a reader of the version it held may still be copying from it
+                self._unlink_spare(spare)
+                spare = None
             room = self._free_bytes() + (spare.size if spare else 0)
             if nbytes > room and self._spares:  # other roles' spares give way first
                 self._release_spares()
@@ -156,10 +160,6 @@ class ReplicaStore:
             if spare is not None:
                 os.rename(self.root / spare.rel, part)
                 sink = spare.mm
-                if spare.size != nbytes:  # a mapping longer than its file faults past the end
-                    _close(sink)
-                    sink = None
-                    os.truncate(part, nbytes)
                 self.reused_files += 1
             else:
                 shm.private_dir(part.parent)
@@ -337,9 +337,12 @@ class ReplicaStore:
 
     def _release_spares(self) -> None:
         for s in self._spares.values():
-            _close(s.mm)
-            (self.root / s.rel).unlink(missing_ok=True)
+            self._unlink_spare(s)
         self._spares.clear()
+
+    def _unlink_spare(self, spare: _Spare) -> None:
+        _close(spare.mm)
+        (self.root / spare.rel).unlink(missing_ok=True)
 
     def _unlink(self, r: Replica) -> None:
         self._forget_map(r.path)
