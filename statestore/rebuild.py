@@ -21,6 +21,7 @@ from typing import Any
 from statestore import shm
 from statestore.index import SIDECAR, Index, read_sidecar
 from statestore.protocol.checksum import checksum
+from statestore.replicas import SPARE, STATICS_KEY
 from statestore.slots import KEEP_VERSIONS, SLOTS, version_key
 
 log = logging.getLogger(__name__)
@@ -66,17 +67,41 @@ def rebuild(root: Path, index: Index, stamp: str | None = None) -> Rebuilt:
     out = Rebuilt()
     for role_dir in sorted(root.glob("*/state/*")):
         _role(root, index, role_dir, out, stamp)
+    statics: dict[Path, dict[str, dict[str, Any]]] = {}  # a replica role folder → its static header parts
     for path in sorted(root.glob("*/replica/*/*.bin")):
+        if path.name == SPARE:  # a retired file kept for the next push: nothing in it counts
+            path.unlink(missing_ok=True)
+            continue
         meta = read_sidecar(path)
         rel = str(path.relative_to(root))
-        if meta is not None and meta.get("path") == rel and _intact(path, int(meta.get("nbytes", -1)), str(meta.get("checksum"))):
+        known = statics.setdefault(path.parent, _statics(path.parent))
+        static = meta.get("static", "") if meta is not None else ""
+        if (
+            meta is not None
+            and meta.get("path") == rel
+            and (not static or static in known)
+            and _intact(path, int(meta.get("nbytes", -1)), str(meta.get("checksum")))
+        ):
             index.put(f"replica/{meta['job']}/{meta['role']}/{int(meta['step']):012d}", meta)
+            if static:
+                index.put(f"{STATICS_KEY}{meta['job']}/{meta['role']}/{static}", known[static])
             out.replicas += 1
             continue
         out.quarantined.append(set_aside(root, path, stamp))
         if path.with_name(path.name + SIDECAR).exists():
             set_aside(root, path.with_name(path.name + SIDECAR), stamp)
     return out
+
+
+def _statics(role_dir: Path) -> dict[str, dict[str, Any]]:
+    """The static header parts recorded in a role's folder (``static-<digest>`` sidecars)."""
+    found = {}
+    for path in role_dir.glob(f"static-*{SIDECAR}"):
+        digest = path.name.removeprefix("static-").removesuffix(SIDECAR)
+        value = read_sidecar(path.with_name(path.name.removesuffix(SIDECAR)))
+        if value is not None:
+            found[digest] = value
+    return found
 
 
 def _role(root: Path, index: Index, role_dir: Path, out: Rebuilt, stamp: str) -> None:
@@ -94,12 +119,7 @@ def _role(root: Path, index: Index, role_dir: Path, out: Rebuilt, stamp: str) ->
         return
     paths = sorted(gens[current])
     index.put(f"slots/{job}/{role}", {"gen": current, "size": paths[0].stat().st_size, "paths": [str(p.relative_to(root)) for p in paths]})
-    statics: dict[str, dict[str, Any]] = {}
-    for path in role_dir.glob(f"static-*{SIDECAR}"):
-        digest = path.name.removeprefix("static-").removesuffix(SIDECAR)
-        value = read_sidecar(path.with_name(path.name.removesuffix(SIDECAR)))
-        if value is not None:
-            statics[digest] = value
+    statics = _statics(role_dir)
     found: dict[int, dict[str, Any]] = {}
     for gen_paths in gens.values():
         for path in gen_paths:

@@ -25,15 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dataserver.protocol.errors import CapacityError, CorruptError, FFPlaneError, TransferOrderError
+from dataserver.protocol.errors import CapacityError, CorruptError, FFPlaneError, StaticHeaderUnknownError, TransferOrderError
 from statestore import shm
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
 from statestore.protocol.checksum import streaming_checksum
+from statestore.protocol.shard import PER_STEP
 
 log = logging.getLogger(__name__)
 KEEP_VERSIONS = 2  # a replica trails its primary by at most a commit or so; the primary keeps three
-_SPARE = "spare.bin"  # a role's retired replica file, kept for its next push
+SPARE = "spare.bin"  # a role's retired replica file, kept for its next push
+STATICS_KEY = "rstatics/"  # index keys of replicas' static header parts: rstatics/<job>/<role>/<digest>
 _MADV_POPULATE_WRITE = 23
 
 
@@ -49,6 +51,15 @@ class Replica:
     source: str  # the node it came from
     kind: str = "replica"  # "replica" (pushed to us) or "pulled" (fetched for a restore)
     complete_at: float = 0.0
+    static: str = ""  # digest of the header's static part, held once per role (``ReplicaStore.statics``); "" if whole
+
+    def index_entry(self) -> dict[str, Any]:
+        """What the index and the sidecar record: the header without its static part, which is
+        recorded once per role under its digest."""
+        entry = dict(vars(self))  # shallow: the header is not copied
+        if self.static:
+            entry["header"] = {k: v for k, v in self.header.items() if k in PER_STEP}
+        return entry
 
 
 @dataclass
@@ -84,23 +95,31 @@ class ReplicaStore:
         self._maps: dict[str, mmap.mmap] = {}
         self._writable: set[str] = set()  # paths whose mapping in _maps is a former sink (writable)
         self._spares: dict[tuple[str, str], _Spare] = {}
+        self.statics: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (job, role) → digest → static header part
         self.received_bytes = 0
         self.reused_files = 0  # receives that landed in a spare instead of a fresh file
         self.finish_parts = Parts()  # where making a received replica count goes (/v1/state)
 
     def reattach(self) -> int:
         n = 0
+        for key, entry in self.index.items(STATICS_KEY):
+            _, job, role, digest = key.split("/")
+            self.statics.setdefault((job, role), {})[digest] = entry
         for key, entry in self.index.items("replica/"):
             r = Replica(**entry)
             f = self.root / r.path
-            if f.is_file() and f.stat().st_size == r.nbytes:
+            static = self.statics.get((r.job, r.role), {}).get(r.static) if r.static else {}
+            if static is not None and f.is_file() and f.stat().st_size == r.nbytes:
+                r.header = {**static, **r.header}
                 self.complete.setdefault((r.job, r.role), {})[r.step] = r
                 n += 1
             else:
                 self.index.delete(key)
+        for job, role in list(self.statics):
+            self._forget_statics(job, role)
         for part in self.root.glob("*/replica/*/*.part"):  # senders restart those from zero
             part.unlink(missing_ok=True)
-        for spare in self.root.glob(f"*/replica/*/{_SPARE}"):
+        for spare in self.root.glob(f"*/replica/*/{SPARE}"):
             spare.unlink(missing_ok=True)
         return n
 
@@ -124,13 +143,27 @@ class ReplicaStore:
 
     # --- receiving -----------------------------------------------------------------------
     def begin(
-        self, job: str, role: str, step: int, nbytes: int, digest: str, header: dict[str, Any], source: str, kind: str = "replica"
+        self,
+        job: str,
+        role: str,
+        step: int,
+        nbytes: int,
+        digest: str,
+        header: dict[str, Any],
+        source: str,
+        kind: str = "replica",
+        static: str = "",
+        static_header: dict[str, Any] | None = None,
     ) -> int:
-        """Start (or resume) receiving a shard; returns the offset to send from."""
+        """Start (or resume) receiving a shard; returns the offset to send from. ``static``: the
+        digest of the header's static part, which ``header`` then leaves out; it comes as
+        ``static_header`` only when this store may not have it (unknown: 428, send it)."""
         if nbytes < 0:
             raise FFPlaneError(f"a shard cannot have {nbytes} bytes", 422)
         if self.get(job, role, step) is not None and self.get(job, role, step).checksum == digest:  # type: ignore[union-attr]
             return nbytes  # already here, complete and verified
+        if static:
+            header = {**self._static(job, role, static, static_header), **header}
         self._purge()
         key = (job, role, step)
         inc = self._incoming.get(key)
@@ -168,9 +201,36 @@ class ReplicaStore:
                     shm.presize(fd, nbytes)
                 finally:
                     os.close(fd)
-            inc = _Incoming(Replica(job, role, step, f"{rel}.bin", nbytes, digest, header, source, kind), sink=sink)
+            inc = _Incoming(Replica(job, role, step, f"{rel}.bin", nbytes, digest, header, source, kind, static=static), sink=sink)
             self._incoming[key] = inc
         return inc.received
+
+    def _static(self, job: str, role: str, digest: str, given: dict[str, Any] | None) -> dict[str, Any]:
+        known = self.statics.setdefault((job, role), {})
+        if digest not in known:
+            if given is None:
+                raise StaticHeaderUnknownError(f"static header {digest} of {role} is not known here; send it with the push")
+            known[digest] = given
+            self.index.put(f"{STATICS_KEY}{job}/{role}/{digest}", given)
+            file = self.static_file(job, role, digest)
+            shm.private_dir(file.parent)  # a role's first push
+            write_sidecar(file, given)
+        return known[digest]
+
+    def static_file(self, job: str, role: str, digest: str) -> Path:
+        return self.root / job / "replica" / role / f"static-{digest}"
+
+    def _forget_statics(self, job: str, role: str) -> None:
+        """Drop static header parts no replica of the role, held or arriving, uses."""
+        used = {r.static for r in self.complete.get((job, role), {}).values()}
+        used |= {i.meta.static for (j, r, _), i in self._incoming.items() if (j, r) == (job, role)}
+        known = self.statics.get((job, role), {})
+        for digest in set(known) - used:
+            del known[digest]
+            self.index.delete(f"{STATICS_KEY}{job}/{role}/{digest}")
+            remove_sidecar(self.static_file(job, role, digest))
+        if not known:
+            self.statics.pop((job, role), None)
 
     def sink(self, job: str, role: str, step: int) -> tuple[_Incoming, memoryview]:
         """A transfer begun here, and its whole file mapped writable: a bulk receive lands the
@@ -269,7 +329,7 @@ class ReplicaStore:
                 self._writable.add(r.path)
             r.complete_at = time.time()
             recorded = time.perf_counter()
-            entry = encode(vars(r))  # once, for the index and the sidecar
+            entry = encode(r.index_entry())  # once, for the index and the sidecar
             self.index.put(_key(job, role, step), entry)
             indexed = time.perf_counter()
             write_sidecar(self.root / r.path, entry)  # what a rebuild of a lost index adopts (after verifying it)
@@ -287,6 +347,8 @@ class ReplicaStore:
             for s in stale:
                 self._retire(versions.pop(s))
             self._purge()
+            if len(self.statics.get((job, role), {})) > 1:
+                self._forget_statics(job, role)
             self.finish_parts.add("total", time.perf_counter() - started)
             self.finish_parts.done()
             # a push per role per step is counted in /v1/state and /metrics; a line each only when asked
@@ -330,7 +392,7 @@ class ReplicaStore:
             _close(mm)
             mm = None
         self._writable.discard(r.path)
-        spare = f"{r.job}/replica/{r.role}/{_SPARE}"
+        spare = f"{r.job}/replica/{r.role}/{SPARE}"
         os.rename(self.root / r.path, self.root / spare)
         remove_sidecar(self.root / r.path)
         self._spares[key] = _Spare(spare, r.nbytes, mm)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from statestore.protocol.checksum import checksum
+from statestore.protocol.shard import PER_STEP
 from statestore.replicas import Replica, ReplicaStore
 from statestore.slots import SlotStore, Version
 
@@ -32,6 +33,21 @@ class LocalShard:
     _owner: Version | Replica
     _slots: SlotStore
     _replicas: ReplicaStore
+    static: str = ""  # digest of the header's static part, as the store holding it keeps it
+
+    def header_parts(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """(digest, static part, per-step part) of the header: a push sends the static part only
+        to a peer that may not have it. ("", {}, header) when it has none."""
+        if self.static:
+            if self.kind == "primary":
+                rs = self._slots.roles.get((self.job, self.role))
+                static = rs.statics.get(self.static) if rs is not None else None
+            else:
+                static = self._replicas.statics.get((self.job, self.role), {}).get(self.static)
+            step_part = {k: self.header[k] for k in PER_STEP if k in self.header}
+            if static is not None and set(static) | set(step_part) == set(self.header):
+                return self.static, static, step_part
+        return "", {}, self.header
 
     def path(self) -> Path:
         return (self._slots if self.kind == "primary" else self._replicas).root / self.rel
@@ -67,10 +83,10 @@ def find_local(slots: SlotStore, replicas: ReplicaStore, job: str, role: str, st
     rs = slots.roles.get((job, role))
     v = rs.versions.get(step) if rs else None
     if v is not None:
-        return LocalShard(job, role, step, v.path, v.nbytes, v.checksum, v.header, "primary", v, slots, replicas)
+        return LocalShard(job, role, step, v.path, v.nbytes, v.checksum, v.header, "primary", v, slots, replicas, v.static)
     r = replicas.get(job, role, step)
     if r is not None:
-        return LocalShard(job, role, step, r.path, r.nbytes, r.checksum, r.header, r.kind, r, slots, replicas)
+        return LocalShard(job, role, step, r.path, r.nbytes, r.checksum, r.header, r.kind, r, slots, replicas, r.static)
     return None
 
 

@@ -33,7 +33,7 @@ from statestore import shm
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
 from statestore.protocol.checksum import ALGORITHM, checksum
-from statestore.protocol.shard import layout_roles
+from statestore.protocol.shard import PER_STEP, layout_roles
 from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
 
 log = logging.getLogger(__name__)
@@ -64,11 +64,8 @@ class Version:
         """What the index keeps: with a static digest, only the header's per-step part."""
         entry = dict(vars(self))  # vars, not asdict: asdict deep-copies the header, 2.4 ms a commit
         if self.static:
-            entry["header"] = {k: v for k, v in self.header.items() if k in _PER_STEP}
+            entry["header"] = {k: v for k, v in self.header.items() if k in PER_STEP}
         return entry
-
-
-_PER_STEP = ("tree",)  # header keys that change from step to step (loop counters, lr)
 
 
 @dataclass

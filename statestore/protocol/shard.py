@@ -24,6 +24,11 @@ class ShardHeader(TypedDict, total=False):
     lineage: int  # the run segment; a restore never mixes two
 
 
+# The keys that change from step to step (the tree holds loop counters, lr, a loader position);
+# the rest is the header's static part, which a commit or a push sends only when it changes.
+PER_STEP = ("tree",)
+
+
 def layout_roles(header: dict[str, Any], role: str) -> list[str]:
     """The roles a whole step of this shard's job has (just ``role`` for a header that names none)."""
     return [str(r) for r in header.get("layout_roles", [role])]

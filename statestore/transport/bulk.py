@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from dataserver.protocol.errors import CorruptError, FFPlaneError
+from dataserver.protocol.errors import CorruptError, FFPlaneError, StaticHeaderUnknownError
 from statestore.link_gate import LinkGate, Priority
 from statestore.replicas import ReplicaStore
 from statestore.shard import LocalShard
@@ -52,6 +52,7 @@ class BulkTransport(HttpTransport):
         self._ports: dict[str, int | None] = {}  # HTTP address → its bulk port (None: it has none)
         self._conns: dict[tuple[str, int], socket.socket] = {}
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._statics_sent: set[tuple[tuple[str, int], str, str, str]] = set()  # (peer, job, role, digest) it took
 
     async def close(self) -> None:
         for sock in self._conns.values():
@@ -89,27 +90,47 @@ class BulkTransport(HttpTransport):
     async def _push(
         self, peer: tuple[str, int], shard: LocalShard, source: str, newest: int | None, urgent: Callable[[], bool], maybe_there: bool
     ) -> int:
-        meta = BulkMeta(self._token, shard.job, shard.role, shard.step, shard.nbytes, shard.checksum, shard.header, source, newest).pack()
+        digest, static, step_part = shard.header_parts()
+        known = (peer, shard.job, shard.role, digest)  # the receiver has this static part (it took a push with it)
+
+        def meta(with_static: bool) -> bytes:
+            return BulkMeta(
+                self._token, shard.job, shard.role, shard.step, shard.nbytes, shard.checksum, step_part, source, newest, digest,
+                static if with_static else None,
+            ).pack()  # fmt: skip
+
+        raw = meta(bool(digest) and known not in self._statics_sent)
         attempt = (f"{peer[0]}:{peer[1]}", shard.job, shard.role, shard.step)
         start = 0
         if attempt in self._tried or maybe_there:  # it may hold part of it, or all: ask first
-            start = self._answer(await self._exchange(peer, BulkHead(Op.PROBE, len(meta), 0, 0), meta), shard).received
+            reply = await self._exchange(peer, BulkHead(Op.PROBE, len(raw), 0, 0), raw)
+            if reply.status == StaticHeaderUnknownError.status:
+                raw = meta(True)
+                reply = await self._exchange(peer, BulkHead(Op.PROBE, len(raw), 0, 0), raw)
+            start = self._answer(reply, shard).received
         else:
             if len(self._tried) > 4096:
                 self._tried.clear()  # only ever costs a retry the single-request path
             self._tried.add(attempt)
-        for _ in range(2):  # a receiver holding part of it answers 409 with where to resume
+        for _ in range(3):  # 409: it holds part of it, resume where it says; 428: it lacks the static part
             if start == shard.nbytes:
                 self._tried.discard(attempt)
                 self.counts.already_there += 1
                 return 0
-            head = BulkHead(Op.PUSH, len(meta), start, shard.nbytes - start)
-            reply = await self._exchange(peer, head, meta, shard, urgent)
+            head = BulkHead(Op.PUSH, len(raw), start, shard.nbytes - start)
+            reply = await self._exchange(peer, head, raw, shard, urgent)
             if reply.status == 409:
                 start = reply.received
                 continue
+            if reply.status == StaticHeaderUnknownError.status:
+                raw = meta(True)
+                continue
             self._answer(reply, shard)
             self._tried.discard(attempt)
+            if digest:
+                if len(self._statics_sent) > 4096:
+                    self._statics_sent.clear()
+                self._statics_sent.add(known)
             if head.offset:
                 self.counts.resumed += 1
             else:
@@ -351,7 +372,10 @@ class _Receiver(asyncio.BufferedProtocol):
             return
         store = self.server.replicas
         try:
-            held = store.begin(meta.job, meta.role, meta.step, meta.nbytes, meta.checksum, meta.header, meta.source)
+            held = store.begin(
+                meta.job, meta.role, meta.step, meta.nbytes, meta.checksum, meta.header, meta.source,
+                static=meta.static, static_header=meta.static_header,
+            )  # fmt: skip
         except FFPlaneError as exc:
             self._skip(BulkReply(413 if exc.status == 507 else exc.status, detail=str(exc)))
             return

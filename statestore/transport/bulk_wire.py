@@ -79,6 +79,8 @@ class BulkMeta:
     header: dict[str, Any]
     source: str
     newest: int | None = None  # the sender's newest committed step of the role, when it is the primary
+    static: str = ""  # digest of the header's static part, which ``header`` then leaves out
+    static_header: dict[str, Any] | None = None  # that part, sent when the receiver may not have it
 
     def pack(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -101,8 +103,13 @@ class BulkMeta:
             raise ValueError(f"bulk metadata 'newest' must be a step or null, got {newest!r}")
         if not 0 <= d["nbytes"] <= _MAX_OFFSET or not 0 < len(d["checksum"]) <= 128 or len(d["source"]) > 256:
             raise ValueError("bulk metadata has an impossible size, checksum or source")
+        static, static_header = d.get("static", ""), d.get("static_header")
+        if type(static) is not str or len(static) > 128 or not (static_header is None or type(static_header) is dict):
+            raise ValueError("bulk metadata 'static' must be a digest, 'static_header' an object or null")
+        if static and not static.isalnum():
+            raise ValueError(f"bulk metadata 'static' {static!r} is not a digest")
         check_name(d["job"]), check_name(d["role"]), check_step(d["step"])
-        return cls(**{k: d[k] for k in want}, newest=newest)
+        return cls(**{k: d[k] for k in want}, newest=newest, static=static, static_header=static_header)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ files are reused. The transport contract (``test_transport.py``, id ``bulk``) co
 
 from __future__ import annotations
 
+import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,9 +30,10 @@ def _connect(c: LocalCluster, node: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=30)
 
 
-def _meta(step: int, data: bytes = DATA, token: str = TOKEN) -> bytes:
+def _meta(step: int, data: bytes = DATA, token: str = TOKEN, **static: Any) -> bytes:
     digest = xxhash.xxh3_64_hexdigest(data)
-    return BulkMeta(token, "job", ROLE, step, len(data), digest, {"layout_roles": [ROLE]}, "elsewhere", newest=step).pack()
+    header = {"tree": step} if static else {"layout_roles": [ROLE]}
+    return BulkMeta(token, "job", ROLE, step, len(data), digest, header, "elsewhere", newest=step, **static).pack()
 
 
 def _ask(sock: socket.socket, op: Op, meta: bytes, offset: int = 0, body: bytes = b"") -> BulkReply:
@@ -79,6 +82,30 @@ def test_a_cut_push_resumes_from_what_landed_and_counts_only_once_verified(clust
     assert _replicas(cluster, 0) == [(7, "replica"), (9, "replica")]
     shard = httpx.get(cluster.daemons[0].url + f"/v1/state/job/{ROLE}/7/shard", headers=AUTH)
     assert shard.content == DATA
+
+
+def test_a_static_header_part_crosses_once_per_role_and_survives_a_restart(cluster: LocalCluster) -> None:
+    """The header's static part (tensors, storages, layout) comes with a role's first push; later
+    pushes name its digest and carry only the tree. A digest the receiver does not know is 428,
+    and nothing is kept. The receiver's index and sidecars hold the part once."""
+    start_ring(cluster, 1)
+    static = {"tensors": [{"storage": 0, "dtype": "float32", "shape": [256, 256]}], "layout_roles": [ROLE], "unique_nbytes": len(DATA)}
+
+    def meta_of(step: int) -> dict[str, Any]:
+        got: dict[str, Any] = httpx.get(cluster.daemons[-1].url + f"/v1/state/job/{ROLE}/{step}", headers=AUTH).json()
+        return got
+
+    with _connect(cluster, 0) as s:
+        assert _ask(s, Op.PUSH, _meta(1, static="abc123", static_header=static), 0, DATA).status == 200
+        assert _ask(s, Op.PUSH, _meta(2, static="abc123"), 0, DATA).status == 200  # the digest alone
+        unknown = _ask(s, Op.PUSH, _meta(3, static="fff999"), 0, DATA)
+        assert unknown.status == 428 and "send it" in unknown.detail
+    assert _replicas(cluster, 0) == [(1, "replica"), (2, "replica")]
+    assert meta_of(2)["header"] == {**static, "tree": 2} and meta_of(1)["header"] == {**static, "tree": 1}
+    cluster.daemons[0].kill(signal.SIGKILL)  # reattached from the index: the part is found by its digest
+    cluster.start_daemon("--gate-chunk-kb", "64", budget_mb=64, index=0)  # now daemons[-1]
+    until(lambda: _replicas(cluster, len(cluster.daemons) - 1) == [(1, "replica"), (2, "replica")], what="the replicas reattached")
+    assert meta_of(2)["header"] == {**static, "tree": 2}
 
 
 @pytest.mark.parametrize(

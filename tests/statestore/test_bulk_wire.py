@@ -23,7 +23,8 @@ def test_every_frame_round_trips() -> None:
     for head in (BulkHead(Op.PUSH, 120, 0, 4096), BulkHead(Op.PUSH, 1, 4000, 96), BulkHead(Op.PROBE, 99, 0, 0)):
         raw = head.pack()
         assert len(raw) == HEAD_SIZE and BulkHead.unpack(raw) == head
-    for meta in (META, BulkMeta("t", "j", "r", 0, 0, "c", {}, "s", None)):
+    with_static = BulkMeta("t", "j", "r", 3, 9, "c", {"tree": [1]}, "s", 2, static="9f86d081", static_header={"tensors": []})
+    for meta in (META, BulkMeta("t", "j", "r", 0, 0, "c", {}, "s", None), with_static):
         assert BulkMeta.unpack(meta.pack()) == meta
     for reply in (BulkReply(200, 4096, "0123abcd"), BulkReply(409, 17, detail="resume from 17"), BulkReply(422, detail="checksum")):
         raw = reply.pack()
@@ -57,6 +58,8 @@ def test_a_head_that_is_not_ours_is_refused(raw: bytes, why: str) -> None:
         (META.pack().replace(b'"step":7', b'"step":-1'), "step must be"),
         (META.pack().replace(b'"newest":7', b'"newest":"7"'), "'newest' must be a step"),
         (META.pack().replace(b'"checksum":"0123abcd"', b'"checksum":""'), "impossible size, checksum"),
+        (META.pack().replace(b'"static":""', b'"static":"../x"'), "is not a digest"),
+        (META.pack().replace(b'"static_header":null', b'"static_header":[1]'), "'static_header' an object"),
     ],
 )
 def test_metadata_that_names_the_impossible_is_refused(raw: bytes, why: str) -> None:
