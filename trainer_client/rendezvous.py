@@ -15,10 +15,12 @@ point of failure: etcd holds what outlives a host"):
   node ends the job on every survivor.
 * **The workers' store is made afresh by each round's rank 0** (torch's TCPStore sharing is off):
   a survivor never points its workers at the store of a rank 0 that died.
-* **A node the coordinator declared dead leaves the rendezvous at once.** The data server
-  publishes the nodes it declares dead (``dataserver --etcd``, ~1.6 s after a node falls
-  silent); every agent maps rendezvous members to ffplane node names (``--rdzv-conf node=``,
-  else ``$FFPLANE_NODE``, else the host name, as the daemon's ``--node-id`` defaults). A survivor
+* **A node the coordinator declared dead leaves the rendezvous at once**, once its agent's
+  keep-alive has been silent for two intervals too (a daemon restarting on a live node is not a
+  dead agent). The data server publishes the nodes it declares dead (``dataserver --etcd``,
+  ~1.6 s after a node falls silent); every agent maps rendezvous members to ffplane node names
+  (``--rdzv-conf node=``, else ``$FFPLANE_NODE``, else the host name, as the daemon's
+  ``--node-id`` defaults). A survivor
   whose peer is dead then restarts its workers even while they hang in a collective on a link
   that died without a reset, and the dead member is dropped from the next round without waiting
   out its keep-alive. Warm spares (agents started beyond ``--nnodes``'s maximum) wait in torch's
@@ -36,7 +38,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import torch.distributed as dist
@@ -182,39 +184,39 @@ class DeadPeers:
         self._members = f"{RDZV_PREFIX}{run_id}/members/".encode()
         self._said: set[str] = set()
         self._lock = threading.Lock()
-        self.last: set[str] = set()  # the answer of the newest ``dead()``: a sync asks once, its callers read this
+        self.last: set[str] = set()  # the members the newest sync let go: a sync asks once, its callers read this
 
     def register(self, member: str, node: str) -> None:
         """Say that rendezvous member ``member`` (torch's node descriptor) runs on ``node``."""
         self._etcd.put(self._members + member.encode(), node.encode())
 
-    def dead(self) -> set[str]:
-        """Members on dead nodes; empty when etcd does not answer in time (torch's keep-alive
-        still drops them then)."""
-        self.last = self._dead()
-        return self.last
-
-    def _dead(self) -> set[str]:
+    def dead(self) -> dict[str, str]:
+        """Members on nodes declared dead (member → node); empty when etcd does not answer in
+        time (torch's keep-alive still drops them then)."""
         try:
             dead = {kv.key[len(DEAD_PREFIX) :].decode(): kv.mod_revision for kv in self._etcd.get_prefix(DEAD_PREFIX, _PEEK_RETRY_S)}
             if not dead:
-                return set()
+                return {}
             members = self._etcd.get_prefix(self._members, _PEEK_RETRY_S)
         except EtcdUnavailable:
-            return set()
-        out = {
+            return {}
+        return {
             kv.key[len(self._members) :].decode(): kv.value.decode()
             for kv in members
             if kv.value.decode() in dead and dead[kv.value.decode()] > kv.mod_revision
         }
+
+    def leaving(self, members: dict[str, str]) -> None:
+        """``members`` (member → node) leave the rendezvous: the answer callers read (``last``),
+        said once per member."""
+        self.last = set(members)
         with self._lock:
-            for member in out.keys() - self._said:
+            for member in members.keys() - self._said:
                 # logging's last resort prints it in torchrun's output when nothing configured it
                 log.warning(
-                    f"ffplane rendezvous: the coordinator declared node {out[member]} dead; member {member} leaves the rendezvous now"
+                    f"ffplane rendezvous: the coordinator declared node {members[member]} dead; member {member} leaves the rendezvous now"
                 )
-            self._said |= out.keys()
-        return set(out)
+            self._said |= members.keys()
 
 
 class _StateHolder(_BackendRendezvousStateHolder):
@@ -227,11 +229,20 @@ class _StateHolder(_BackendRendezvousStateHolder):
     def _sanitize(self) -> None:
         super()._sanitize()
         state = self._state
-        dead = self.peers.dead()
-        if not dead:
+        verdict = self.peers.dead()
+        # The verdict is about the node's daemon. A member whose agent still beats is alive: its
+        # daemon is restarting (killed, or rebuilding its index), and dropping the member split
+        # the round — the other agent reopened it after this one had finished joining, which then
+        # waited in the rank barrier of a round nobody else was in (the 1,000-failure soak hung
+        # 120 s at failure 349). A dead agent has been silent for the 1.6 s the verdict takes;
+        # two keep-alive intervals (torch's timer may skip a beat) confirm it.
+        silent = datetime.now(timezone.utc) - 2 * self._settings.keep_alive_interval
+        gone = {repr(n): verdict[repr(n)] for n, beat in state.last_heartbeats.items() if repr(n) in verdict and beat < silent}
+        self.peers.leaving(gone)
+        if not gone:
             return
         removed = False
-        for node in [n for n in state.last_heartbeats if repr(n) in dead]:
+        for node in [n for n in state.last_heartbeats if repr(n) in gone]:
             del state.last_heartbeats[node]
             removed = state.participants.pop(node, None) is not None or removed
             state.wait_list.discard(node)

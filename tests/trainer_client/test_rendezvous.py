@@ -18,6 +18,7 @@ import torch
 from ffplane_harness.etcd_cluster import EtcdCluster, available
 from ffplane_harness.job_runner import LocalJobs
 from ffplane_harness.netns import Netns
+from tests._servers import until
 from trainer_client.rendezvous import EtcdRendezvousBackend, EtcdStore
 
 STEPS = 24
@@ -154,5 +155,53 @@ def test_a_node_declared_dead_for_a_moment_while_agents_rejoin_ends_in_one_round
         assert found["a"][0] == found["b"][0], f"the agents ended in different rounds: {found}"
         assert found["a"][1] == found["b"][1] == 2 and {found["a"][2], found["b"][2]} == {0, 1}, found
     finally:
+        for h in (a, b):
+            h.shutdown()
+
+
+def test_a_verdict_on_a_node_whose_agent_still_beats_changes_nothing(etcd: EtcdCluster) -> None:
+    """The coordinator declares a node dead when its daemon falls silent; a daemon restarting
+    (killed, or rebuilding its index) on a node whose agent lives is not a dead agent. Dropping
+    that agent split a round it had already joined (the 1,000-failure soak hung 120 s at failure
+    349). Both agents stay in their round while the verdict stands; once the agent falls silent
+    too, the survivor is told to restart at once."""
+    import json
+    import threading
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from dataserver.protocol.etcd import DEAD_PREFIX
+    from trainer_client.rendezvous import create_handler
+
+    client = etcd.client()
+
+    def handler(node: str):  # type: ignore[no-untyped-def]
+        params = RendezvousParameters(
+            "ffplane", ",".join(client.endpoints), "beats", 2, 2, local_addr="127.0.0.1", node=node,
+            join_timeout="20", last_call_timeout="1", keep_alive_interval="1", keep_alive_max_attempt="10",
+        )  # fmt: skip
+        return create_handler(params)
+
+    a, b = handler("nA"), handler("nB")
+    try:
+        threads = [threading.Thread(target=h.next_rendezvous) for h in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        round_no = b._state_holder.state.round
+        client.put(DEAD_PREFIX + b"nA", json.dumps({"declared_at": time.time()}).encode())
+        end = time.monotonic() + 2.5  # longer than two keep-alive intervals: nA's agent beats through it
+        waiting = set()
+        while time.monotonic() < end:
+            waiting |= {a.num_nodes_waiting(), b.num_nodes_waiting()}
+            time.sleep(0.1)
+        assert waiting == {0} and b._state_holder.state.round == round_no
+        assert len(b._state_holder.state.participants) == 2
+        a._stop_heartbeats()  # now nA's agent is silent too (its node is gone)
+        until(lambda: b.num_nodes_waiting() > 0, timeout_s=8, what="the survivor told to restart")  # torch alone: 10 beats
+        assert {repr(n) for n in b._state_holder.state.participants} <= {repr(b._this_node)}
+    finally:
+        client.delete(DEAD_PREFIX + b"nA")
         for h in (a, b):
             h.shutdown()
