@@ -83,15 +83,40 @@ def _set_filter(pid: int, port: int, keep: bool) -> int:
     return len(found["listen"])
 
 
-def unreachable(pid: int, port: int) -> None:
-    """``pid``'s server on ``port`` stops answering; the process runs on."""
-    if not _set_filter(pid, port, keep=False):
-        raise RuntimeError(f"process {pid} has no listening socket on port {port}")
+def unreachable(pid: int, port: int | None = None) -> None:
+    """``pid``'s server on ``port`` — on every port it listens on, by default, as a firewall
+    dropping inbound traffic would (a daemon's HTTP and bulk ports) — stops answering; the
+    process runs on."""
+    ports = [port] if port is not None else _listening(pid)
+    if not ports or not all(_set_filter(pid, p, keep=False) for p in ports):
+        raise RuntimeError(f"process {pid} has no listening socket on port {port if port is not None else 'any'}")
 
 
-def heal(pid: int, port: int) -> None:
+def heal(pid: int, port: int | None = None) -> None:
     """Undo ``unreachable``."""
-    _set_filter(pid, port, keep=True)
+    for p in [port] if port is not None else _listening(pid):
+        _set_filter(pid, p, keep=True)
+
+
+def _listening(pid: int) -> list[int]:
+    """The TCP ports ``pid`` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if path.exists():
+            for line in path.read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:
+                    ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)
 
 
 def flip(path: Path, at: int, n: int = 16) -> None:

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bad = [c for c in cases if c != "cnn" and not c.isdigit()]
     if bad:
         raise SystemExit(f"--cases takes cnn and sizes in MiB, got {bad}")
-    largest = max([int(c) for c in cases if c != "cnn"], default=4)
+    mib = sum(int(c) for c in cases if c != "cnn") + 5  # every case's role keeps its slots to the end
     samples: dict[str, list[float]] = {}
     sizes: dict[str, int] = {}
     parts: dict[str, Any] = {}  # the daemons' own account of a commit's and a replica's fixed costs
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         daemon_args = ["--log-level", "warning", "--gate-chunk-kb", str(args.gate_chunk_kb)]
         if args.transport == "http":
             daemon_args += ["--bulk-port", "-1"]
-        budget = max(256, 5 * largest)  # four slots, or three replica files, of the largest state, and room
+        budget = 256 + 4 * mib  # four slots of every case's state on node 0, three replica files on node 1
         with LocalCluster(work, work / "data", secrets.token_hex(16)) as cluster:
             cluster.start_dataserver("--log-level", "warning")
             daemons = [cluster.start_daemon(*daemon_args, budget_mb=budget) for _ in range(2)]

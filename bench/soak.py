@@ -177,7 +177,7 @@ class Soak(LocalJobs):
             d = self.placement[pos]
             proc = self.cluster.daemons[self._daemon_slot(d)]
             port = int(proc.ready["port"])  # type: ignore[call-overload]
-            _faults.unreachable(proc.pid, port)  # it keeps beating: only its peers cannot reach it
+            _faults.unreachable(proc.pid)  # every port (HTTP, bulk); it keeps beating: only its peers cannot reach it
             self._heal.append(lambda: self._reachable_again(d, proc, port))
         else:
             raise ValueError(f"unknown failure kind {kind!r}; choose from {KINDS}")
@@ -272,7 +272,7 @@ class Soak(LocalJobs):
 
         if proc.popen.poll() is not None:
             return
-        _faults.heal(proc.pid, port)
+        _faults.heal(proc.pid)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

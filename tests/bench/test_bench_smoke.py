@@ -153,8 +153,13 @@ def test_reader_steps_smoke(tmp_path: Path) -> None:
 def test_save_cpu_smoke(tmp_path: Path) -> None:
     from bench import save_cpu
 
-    out = save_cpu.main(["--saves", "10", "--repeats", "1", "--gap-ms", "1", "--results-dir", str(tmp_path), "--out", "sc"])
-    assert out["figures"]["total_ms"]["median"] > 0 and out["figures"]["floor_ms"]["median"] > 0
+    out = save_cpu.main(
+        ["--cases", "cnn,8", "--saves", "10", "--repeats", "1", "--gap-ms", "1", "--results-dir", str(tmp_path), "--out", "sc"]
+    )
+    f = out["figures"]
+    assert f["cnn_total_ms"]["median"] > 0 and f["cnn_floor_ms"]["median"] > 0 and f["cnn_receiver_ms"]["median"] > 0
+    assert f["8mib_total_s_per_gib"]["median"] > 0 and f["8mib_floor_s_per_gib"]["median"] > 0
+    assert f["round_trip_us"]["median"] > 0 and out["targets"]["round_trip_vs_floor"]["ratio"] > 0
 
 
 def test_path_cpu_smoke(tmp_path: Path) -> None:

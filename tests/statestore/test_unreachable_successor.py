@@ -42,7 +42,7 @@ def test_saves_go_on_replicated_past_a_successor_that_stops_answering(cluster: L
     until(lambda: _replication(cluster, 0)["roles"][ROLE] == {"committed": 2, "replicated": 2, "to": "n1"}, what="step 2 on n1")
 
     n1 = cluster.daemons[1]
-    _faults.unreachable(n1.pid, int(n1.ready["port"]))  # type: ignore[call-overload]
+    _faults.unreachable(n1.pid)  # every port it listens on: HTTP and bulk
     with caplog.at_level(logging.WARNING, logger="trainer_client.checkpointer"):
         for step in range(3, 7):
             state["w"].fill_(step)
