@@ -124,6 +124,7 @@ def _ping_pong_us(times: int, where: Path) -> float:
     """A bare Unix-socket round trip: a JSON-sized line to another Python process and its answer
     (what the daemon's control socket does, without the daemon)."""
     path = where / "echo.sock"
+    path.unlink(missing_ok=True)  # the previous repeat's
     echo = subprocess.Popen([sys.executable, "-c", _ECHO, str(path)], stdout=subprocess.PIPE)
     try:
         assert echo.stdout is not None and echo.stdout.readline().strip() == b"ready"
