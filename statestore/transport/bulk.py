@@ -11,7 +11,8 @@ receiver's, as in a bare TCP transfer (``bench/save_cpu.py`` measures both; docs
 A sender learns a peer's bulk port from ``GET /v1/transfer`` on its HTTP address, once. Frames are
 ``bulk_wire``'s; one connection per peer carries one push after another. A push passes the link
 gate a chunk at a time, as HTTP pushes do, and ``TCP_NOTSENT_LOWAT`` keeps what sits unsent in the
-socket at about a chunk, so TRAIN never starts behind much STATE.
+socket at about a chunk, so TRAIN never starts behind much STATE — except a push a commit waits
+for, which goes whole. A header's static part crosses once per role and peer; then its digest.
 """
 
 from __future__ import annotations
