@@ -22,13 +22,16 @@ node 0. Cases:
 
 The floor, per case, in the same run: one copy of the same bytes into pre-faulted memory, one
 XXH3 of them, and a bare loopback TCP transfer of them (``sendfile`` from a tmpfs file into a
-pre-faulted buffer, both ends' CPU) — what a replicated save cannot avoid. Targets: ≤ 1.5x the
+pre-faulted buffer, both ends' CPU) — what a replicated save cannot avoid. Beside it, for the large
+cases, the receiving end alone into a tmpfs file made afresh (``receive_fresh_file``) and into one
+whose pages exist (``receive_reused_file``): why a replica's file is reused. Targets: ≤ 1.5x the
 floor at 1 GiB, ≤ 2x at 4 MiB. Results: ``bench/results/save_cpu.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import secrets
 import socket
@@ -55,6 +58,7 @@ from trainer_client._daemon_client import DaemonClient  # noqa: E402
 from trainer_client.state_codec import encode  # noqa: E402
 
 GIB = 1 << 30
+_MADV_POPULATE_WRITE = 23
 WARM_SAVES = 4  # slots allocated and faulted, and the receiver's replica files reused from then on
 
 
@@ -70,44 +74,69 @@ def _copy_hash_s(nbytes: int, times: int) -> float:
     return (time.thread_time() - t0) / times
 
 
-def _tcp_s(nbytes: int, times: int, where: Path) -> float:
-    """CPU seconds both ends of a loopback TCP connection spend moving ``nbytes``: sendfile from
-    a tmpfs file, recv_into a pre-faulted buffer."""
+def _tcp_s(nbytes: int, times: int, where: Path, into: str = "buffer") -> tuple[float, float]:
+    """CPU seconds (sender, receiver) of a loopback TCP connection moving ``nbytes``: sendfile
+    from a tmpfs file into ``into``: a pre-faulted buffer (the floor), a tmpfs file made afresh
+    for each transfer and mapped (``fresh``: what a receiver pays that allocates each replica's
+    file), or one such file mapped once and written again (``reused``: a spare)."""
     src = where / "floor.bin"
     with open(src, "wb") as f:
         f.truncate(nbytes)
         f.write(os.urandom(min(nbytes, 1 << 20)) * (nbytes // min(nbytes, 1 << 20)))
-    into = bytearray(nbytes)
-    into[:] = b"\1" * nbytes
-    view = memoryview(into)
+    keep: list[Any] = []
+
+    def target(k: int) -> memoryview:
+        if into == "buffer" or (into == "reused" and keep):
+            if not keep:
+                keep.append(bytearray(b"\1" * nbytes))
+            return memoryview(keep[-1])
+        path = where / f"recv-{k}.bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+        os.close(fd)
+        path.unlink()  # the mapping keeps the pages until it goes
+        mm.madvise(_MADV_POPULATE_WRITE)  # as the daemon's receiver does
+        keep[:] = [mm]
+        return memoryview(mm)
+
     srv = socket.create_server(("127.0.0.1", 0))
     rx_cpu = [0.0]
 
     def receive(conn: socket.socket) -> None:
-        t0 = time.thread_time()
-        for _ in range(times):
+        for k in range(times + (into == "reused")):  # a reused file's first fill is not counted
+            if into == "fresh":  # making and mapping the file is what is measured
+                t0 = time.thread_time()
+                view = target(k)
+            else:  # the buffer, or the spare, is there before the bytes come
+                view = target(k)
+                t0 = time.thread_time()
             got = 0
             while got < nbytes:
                 got += conn.recv_into(view[got:], nbytes - got)
-        rx_cpu[0] = time.thread_time() - t0
+            view.release()
+            if k or into != "reused":
+                rx_cpu[0] += time.thread_time() - t0
 
     out = socket.create_connection(srv.getsockname())
     conn, _ = srv.accept()
     th = threading.Thread(target=receive, args=(conn,))
     th.start()
     fd = os.open(src, os.O_RDONLY)
-    t0 = time.thread_time()
-    for _ in range(times):
+    tx = 0.0
+    for k in range(times + (into == "reused")):
+        t0 = time.thread_time()
         pos = 0
         while pos < nbytes:
             pos += os.sendfile(out.fileno(), fd, pos, nbytes - pos)
-    tx = time.thread_time() - t0
+        if k or into != "reused":
+            tx += time.thread_time() - t0
     th.join()
     os.close(fd)
     for s in (out, conn, srv):
         s.close()
     src.unlink()
-    return (tx + rx_cpu[0]) / times
+    return tx / times, rx_cpu[0] / times
 
 
 _ECHO = """
@@ -299,7 +328,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             floor = []
             for _ in range(args.repeats):
                 times = 1 if nbytes >= 256 << 20 else 50
-                floor.append(_copy_hash_s(nbytes, times) + _tcp_s(nbytes, times, Path("/dev/shm")))
+                floor.append(_copy_hash_s(nbytes, times) + sum(_tcp_s(nbytes, times, Path("/dev/shm"))))
+                if case != "cnn":  # what receiving into a new tmpfs file costs against one whose pages exist
+                    for into in ("fresh", "reused"):
+                        rx = _tcp_s(nbytes, times, Path("/dev/shm"), into)[1]
+                        samples.setdefault(f"{case}mib_receive_{into}_file_s_per_gib", []).append(rx / (nbytes / GIB))
             if case == "cnn":
                 samples["cnn_floor_ms"] = [f * 1e3 for f in floor]
             else:

@@ -8,8 +8,9 @@ checksum matches is it renamed to ``.bin`` and recorded in the LMDB index — a 
 
 The file of a pushed replica that gives way to newer ones is kept as the role's spare, mapped
 writable, and the next push of the role lands in it: fresh tmpfs pages cost more to allocate and
-zero than the bytes cost to receive (0.4-1.2 s/GiB against 0.2-0.3, docs/decisions.md "Replicas
-on a bulk channel, received into a reused file"). It is reused only once two newer versions of its role have arrived, which
+zero than the bytes cost to receive (``bench/save_cpu.py``: 0.84-1.10 s/GiB received into a new
+file, 0.20-0.23 into one whose pages exist; docs/decisions.md "Replicas on a bulk channel,
+received into a reused file"). It is reused only once two newer versions of its role have arrived, which
 happens only while the role's primary saves — and then nothing restores that role from it.
 """
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import socket
 from collections.abc import Callable, Coroutine
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from dataserver.httpserver import BearerAuth
 from dataserver.protocol.errors import CorruptError, FFPlaneError, StaticHeaderUnknownError
 from statestore.link_gate import LinkGate, Priority
 from statestore.replicas import ReplicaStore
@@ -33,7 +33,7 @@ from statestore.shard import LocalShard
 from statestore.transport._sockets import TCP_NOTSENT_LOWAT, push_socket_options
 from statestore.transport.base import PeerError
 from statestore.transport.bulk_wire import HEAD_SIZE, REPLY_HEAD_SIZE, BulkFrameError, BulkHead, BulkMeta, BulkReply, Op
-from statestore.transport.http import HttpTransport
+from statestore.transport.http import HttpTransport, remember
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,7 @@ class BulkTransport(HttpTransport):
                 reply = await self._exchange(peer, BulkHead(Op.PROBE, len(raw), 0, 0), raw)
             start = self._answer(reply, shard).received
         else:
-            if len(self._tried) > 4096:
-                self._tried.clear()  # only ever costs a retry the single-request path
-            self._tried.add(attempt)
+            remember(self._tried, attempt)
         for _ in range(3):  # 409: it holds part of it, resume where it says; 428: it lacks the static part
             if start == shard.nbytes:
                 self._tried.discard(attempt)
@@ -129,9 +127,7 @@ class BulkTransport(HttpTransport):
             self._answer(reply, shard)
             self._tried.discard(attempt)
             if digest:
-                if len(self._statics_sent) > 4096:
-                    self._statics_sent.clear()
-                self._statics_sent.add(known)
+                remember(self._statics_sent, known)  # forgetting costs one push with the static part
             if head.offset:
                 self.counts.resumed += 1
             else:
@@ -162,7 +158,7 @@ class BulkTransport(HttpTransport):
             await asyncio.wait_for(loop.sock_sendall(sock, head.pack() + meta), _STALL_S)
             if shard is not None and head.length:
                 await self._send_file(sock, shard, head.offset, head.offset + head.length, urgent)
-            return await self._reply(sock)
+            return await asyncio.wait_for(self._reply(sock), _STALL_S)
         except (OSError, EOFError, asyncio.TimeoutError, BulkFrameError, ValueError) as exc:
             self._conns.pop(peer, None)
             sock.close()  # a request cut off midway leaves the connection unreadable
@@ -242,10 +238,11 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
 
 
 async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytearray:
+    """``n`` bytes (the caller bounds the wait)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        k = await asyncio.wait_for(loop.sock_recv_into(sock, view[got:]), _STALL_S)
+        k = await loop.sock_recv_into(sock, view[got:])
         if k == 0:
             raise EOFError("the peer closed the bulk connection")
         got += k
@@ -258,7 +255,8 @@ class BulkServer:
     bounds what one replica may announce."""
 
     def __init__(self, token: str | None, replicas: ReplicaStore, budget_bytes: int) -> None:
-        self.token, self.replicas, self.budget_bytes = token, replicas, budget_bytes
+        self.replicas, self.budget_bytes = replicas, budget_bytes
+        self._auth = BearerAuth(token)
         self.port: int | None = None
         self.pushes = 0
         self.refused = 0
@@ -276,10 +274,9 @@ class BulkServer:
             self._server = None
 
     def refusal(self, meta: BulkMeta) -> tuple[int, str] | None:
-        if not self.token:
-            return 503, "this daemon has no job token configured"
-        if not secrets.compare_digest(meta.token.encode(), self.token.encode()):
-            return 401, "missing or wrong job token"
+        refused = self._auth.refusal(f"Bearer {meta.token}")  # the HTTP routes' check, on the frame's token
+        if refused is not None:
+            return refused
         if meta.nbytes > self.budget_bytes:
             return 413, (
                 f"a replica of {meta.nbytes / 2**20:.1f} MiB is larger than this daemon's whole budget "

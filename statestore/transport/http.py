@@ -33,9 +33,17 @@ from statestore.transport._body import meta_prefix, read_meta_prefix
 from statestore.transport._sockets import push_socket_options
 from statestore.transport.base import PeerError, RemoteShard, Transport
 
-__all__ = ["HttpTransport", "meta_prefix", "peer_routes", "read_meta_prefix"]
+__all__ = ["HttpTransport", "meta_prefix", "peer_routes", "read_meta_prefix", "remember"]
 
-_TRIED_KEPT = 4096
+_KEPT = 4096
+
+
+def remember(kept: set[Any], item: Any) -> None:
+    """Add ``item`` to a bounded memory of what went before: past ``_KEPT`` it starts afresh
+    (forgetting only ever costs a retry the first-attempt path)."""
+    if len(kept) > _KEPT:
+        kept.clear()
+    kept.add(item)
 
 
 class HttpTransport(Transport):
@@ -106,9 +114,7 @@ class HttpTransport(Transport):
             start = await self._begin(url, meta)  # asked before staging: it may hold all of it
         else:
             staged = await self._staged(shard)
-            if len(self._tried) > _TRIED_KEPT:
-                self._tried.clear()  # only ever costs a retry the single-request path
-            self._tried.add(attempt)
+            remember(self._tried, attempt)
             try:
                 await self._json(
                     "PUT",

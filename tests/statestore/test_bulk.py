@@ -154,9 +154,8 @@ def test_a_roles_replica_files_are_reused_and_hold_its_bytes(cluster: LocalClust
         slot = (cluster.roots[0] / primary[r["step"]]["slot"]).read_bytes()[: r["nbytes"]]
         held = Path(cluster.roots[1] / "job" / "replica" / r["role"] / f"{r['step']:012d}.bin").read_bytes()
         assert held == slot and r["checksum"] == xxhash.xxh3_64_hexdigest(held)
-    role = got["roles"] or daemon_state(cluster, 0)["roles"]
-    memory = role[0]["memory"]
-    assert memory == {"here_bytes": 4 * role[0]["slot_bytes"], "successor_bytes": 3 * role[0]["slot_bytes"]}
+    (role,) = daemon_state(cluster, 0)["roles"]
+    assert role["memory"] == {"here_bytes": 4 * role["slot_bytes"], "successor_bytes": 3 * role["slot_bytes"]}
 
 
 def test_a_daemon_without_a_bulk_port_takes_pushes_over_http(cluster: LocalCluster) -> None:
