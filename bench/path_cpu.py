@@ -2,6 +2,8 @@
 
     python bench/path_cpu.py                      # 300 steps x 3 repeats (~1 min)
     python bench/path_cpu.py --steps 40 --repeats 1   # smoke size
+    python bench/path_cpu.py --batch 8 --seq 64 --gib 0.01 --work /tmp/ffplane-bench-tokens --out path_cpu_tokens
+        # small steps (tokens); add --fetch-steps 1 --out path_cpu_tokens_single for a request per step
 
 On this 2-core machine the data server, the node daemon and the reader share the cores, so the
 end-to-end rate is about ``cores / (CPU per step)``: every CPU-millisecond a process spends per
@@ -37,7 +39,9 @@ from trainer_client import DataLoader  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = reader_bench_parser(__doc__ or "", 300, "steps read per repeat", "path_cpu").parse_args(argv)
+    parser = reader_bench_parser(__doc__ or "", 300, "steps read per repeat", "path_cpu")
+    parser.add_argument("--fetch-steps", type=int, default=4, help="the daemon's --fetch-steps (runs apply to steps of at most 256 KiB)")
+    args = parser.parse_args(argv)
     ds_dir = reader_bench_dataset(args)
     step_bytes = args.batch * args.seq * 4
     token, run_id = secrets.token_hex(16), secrets.token_hex(3)
@@ -45,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with huge_tmpfs(args.work / "shm-huge", 576, args.huge) as huge:
         with LocalCluster(args.work, ds_dir.parent, token, shm_parent=huge or Path("/dev/shm")) as cluster:
             ds = cluster.start_dataserver("--log-level", "warning")
-            daemon = cluster.start_daemon("--log-level", "warning", budget_mb=512)
+            daemon = cluster.start_daemon("--log-level", "warning", "--fetch-steps", str(args.fetch_steps), budget_mb=512)
             for r in range(args.repeats + 1):  # the first warms the dataset's pages: not kept
                 job = f"cpu-{run_id}-{r}"
                 _create_job(ds.url, token, job, args.batch, args.steps + 1, seed=r)
@@ -73,7 +77,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "target": "(reported: 1.0 would be a path that costs only the HTTP stack)",
         }
     }
-    config = {"steps": args.steps, "repeats": args.repeats, "step_bytes": step_bytes, "shm_pages": "2 MiB" if huge else "4 KiB"}
+    config = {
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "step_bytes": step_bytes,
+        "shm_pages": "2 MiB" if huge else "4 KiB",
+        "fetch_steps": args.fetch_steps,
+    }
     out = write_results(args.out, figures, config, checks, args.results_dir)
     print_table([(k, v, "(baseline: the HTTP stack alone)" if k == "stack_ms" else "") for k, v in figures.items()], "CPU ms / step")
     print(f"  total / stack {checks['total_vs_stack']['ratio']:.2f}")

@@ -11,8 +11,17 @@ every step, the comm hook with one all-reduce per step in parameter order), and 
 the previous default), ``buckets`` (DDP's bucket all-reduce: fast, not bitwise-stable across a
 restore with > 2 ranks), ``no_hook`` (no link hints, no wait for the last save's replica),
 ``no_save``; and of the daemons (each in a cluster of its own, after the others): ``http_push``
-(replicas pushed over HTTP, ``--bulk-port -1``), ``no_replicate`` (no replicas at all). A step here is tiny (~25 ms of compute on 4 workers sharing 2 cores), so fixed
-per-step costs show at their worst; real steps are 100-1000x longer.
+(replicas pushed over HTTP, ``--bulk-port -1``), ``no_replicate`` (no replicas at all),
+``fetch_single`` (one data-server request per step, ``--fetch-steps 1``, instead of runs). And the
+floor: ``floor`` is the plain job doing, every step, the least that keeping each step's state on
+another process costs (copy, XXH3, a TCP send and a receive + XXH3 there: bench/_plain_job.py).
+A step here is tiny (~25 ms of compute on 4 workers sharing 2 cores), so fixed per-step costs
+show at their worst; real steps are 100-1000x longer.
+
+Where the time goes: every run also records the CPU milliseconds per step of each kind of
+process (workers, node daemons, data servers, torchrun agents; bench/_proc_cpu.py). The cores
+are shared by all of them, so a variant's extra CPU per step, over 2 cores, is roughly its extra
+step time.
 
 Writes bench/results/step_cost.json.
 """
@@ -31,33 +40,38 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, print_table, ratio, write_results  # noqa: E402
+from bench._common import RESULTS, print_table, ratio, summary, write_results  # noqa: E402
+from bench._proc_cpu import CpuSampler  # noqa: E402
 from ffplane_harness.job_runner import LocalJobs  # noqa: E402
 
 PLAIN = Path(__file__).resolve().parent / "_plain_job.py"
 ABLATE = Path(__file__).resolve().parent / "_ablate_job.py"
-VARIANTS = ("plain", "ffplane", "per_tensor", "buckets", "no_hook", "no_save", "http_push", "no_replicate")
+VARIANTS = ("plain", "floor", "ffplane", "per_tensor", "buckets", "no_hook", "no_save", "http_push", "no_replicate", "fetch_single")
 # variants of the daemons rather than the job: run as ffplane, on daemons started with these flags
-DAEMON_ARGS = {"http_push": ["--bulk-port", "-1"], "no_replicate": ["--no-replicate"]}
+DAEMON_ARGS = {"http_push": ["--bulk-port", "-1"], "no_replicate": ["--no-replicate"], "fetch_single": ["--fetch-steps", "1"]}
 
 
-def steps_per_min(jobs: LocalJobs, variant: str, job: str) -> float:
-    """One failure-free run of ``jobs.steps`` steps; steps per minute from the first step done
-    to the last (start-up excluded)."""
-    if variant == "plain":
+def steps_per_min(jobs: LocalJobs, variant: str, job: str) -> tuple[float, dict[str, float]]:
+    """One failure-free run of ``jobs.steps`` steps: steps per minute from the first step done
+    to the last (start-up excluded), and CPU ms per step by kind of process."""
+    os.environ.pop("FFPLANE_FLOOR", None)
+    if variant in ("plain", "floor"):
         jobs.script = PLAIN
         jobs.script_args = ["--data", str(jobs.work / "tokens.parquet"), "--save-every", str(10**9)]
+        if variant == "floor":
+            os.environ["FFPLANE_FLOOR"] = "1"
     else:
         jobs.script, jobs.script_args = ABLATE, []
         os.environ["FFPLANE_ABLATE"] = "" if variant in ("ffplane", *DAEMON_ARGS) else variant
         jobs.post("/v1/jobs", {"name": job, "dataset": "tokens", "dp": 4, "batch_per_rank": 8, "seed": 0, "max_steps": jobs.steps})
-    nodes = jobs.launch_job(job, [0, 1])
-    jobs.wait_done(nodes, timeout_s=600)
+    with CpuSampler() as cpu:
+        nodes = jobs.launch_job(job, [0, 1])
+        jobs.wait_done(nodes, timeout_s=600)
     done = [e["t"] for e in jobs.events(job) if e["kind"] == "saved"]
     if len(done) < 4 * jobs.steps:
         raise RuntimeError(f"{variant}: {len(done)} step events for 4 ranks x {jobs.steps} steps; logs in {jobs.work}")
     firsts = sorted(done)[:4]  # every rank's first step done: the run is going
-    return (jobs.steps - 1) / ((max(done) - max(firsts)) / 60)
+    return (jobs.steps - 1) / ((max(done) - max(firsts)) / 60), cpu.per_step(done, 4)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -73,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown or "plain" not in variants:
         raise SystemExit(f"--variants must include plain and come from {VARIANTS}; got {sorted(unknown) or variants}")
     samples: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, dict[str, list[float]]] = {v: {} for v in variants}  # variant → kind → CPU ms per step, per run
     # one cluster per daemon configuration; within one, variants rotate so drift hits all alike
     groups = [[v for v in variants if v not in DAEMON_ARGS]] + [[v] for v in variants if v in DAEMON_ARGS]
     runs = 0
@@ -85,24 +100,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for v in group[r % len(group) :] + group[: r % len(group)]:
                     runs += 1
                     t = time.monotonic()
-                    samples[v].append(steps_per_min(jobs, v, f"run{runs}"))
-                    print(f"repeat {r} {v:12s} {samples[v][-1]:7.1f} steps/min  ({time.monotonic() - t:.0f} s)", flush=True)
+                    rate, by_kind = steps_per_min(jobs, v, f"run{runs}")
+                    samples[v].append(rate)
+                    for kind, ms in by_kind.items():
+                        cpu[v].setdefault(kind, []).append(ms)
+                    print(f"repeat {r} {v:12s} {rate:7.1f} steps/min  ({time.monotonic() - t:.0f} s)", flush=True)
         finally:
             os.environ.pop("FFPLANE_ABLATE", None)
+            os.environ.pop("FFPLANE_FLOOR", None)
             jobs.close()
             shutil.rmtree(work, ignore_errors=True)
-    figures = {
-        f"steps_per_min_{v}": {"min": min(s), "median": statistics.median(s), "max": max(s), "samples": s} for v, s in samples.items()
-    }
+    figures = {f"steps_per_min_{v}": summary(s) for v, s in samples.items()}
+    for v, kinds in cpu.items():
+        for kind, per_run in kinds.items():
+            figures[f"cpu_ms_per_step_{v}_{kind.replace(' ', '_')}"] = summary(per_run)
     base = figures["steps_per_min_plain"]
+    targets = {"ffplane": ">= 0.8", "floor": "(the least a save every step costs here: the most ffplane could reach)"}
     checks = {
-        f"{v}_vs_plain": {"ratio": ratio(figures[f"steps_per_min_{v}"], base), "target": "(reported)"} for v in variants if v != "plain"
+        f"{v}_vs_plain": {"ratio": ratio(figures[f"steps_per_min_{v}"], base), "target": targets.get(v, "(reported)")}
+        for v in variants
+        if v != "plain"
     }
+    if "floor" in variants and "ffplane" in variants:
+        checks["ffplane_vs_floor"] = {
+            "ratio": ratio(figures["steps_per_min_ffplane"], figures["steps_per_min_floor"]),
+            "target": "(reported)",
+        }
     config = {"nodes": 2, "workers_per_node": 2, "steps": args.steps, "repeats": args.repeats, "launcher": "torchrun (c10d, one per node)"}
     path = write_results(args.out, figures, config, checks, args.results_dir)
-    print_table([(k, v, "(baseline)" if k.endswith("plain") else f"{ratio(v, base):.2f} x plain") for k, v in figures.items()], "steps/min")
+    rates = [(k, v) for k, v in figures.items() if k.startswith("steps_per_min_")]
+    print_table([(k, v, "(baseline)" if k.endswith("plain") else f"{ratio(v, base):.2f} x plain") for k, v in rates], "steps/min")
+    _print_cpu(cpu)
     print(f"wrote {path}")
     return {"figures": figures, "targets": checks}
+
+
+def _print_cpu(cpu: dict[str, dict[str, list[float]]]) -> None:
+    """CPU ms per step (medians) by variant and kind of process, beside the plain job's total."""
+    kinds = sorted({k for kinds in cpu.values() for k in kinds})
+    total = {v: sum(statistics.median(ms) for ms in kinds.values()) for v, kinds in cpu.items()}
+    print(f"\nCPU ms per step (median of the runs){'':6s}" + "".join(f"{k:>15s}" for k in kinds) + f"{'total':>9s}{'vs plain':>10s}")
+    for v, by_kind in cpu.items():
+        cells = "".join(f"{statistics.median(by_kind[k]):15.2f}" if k in by_kind else f"{'-':>15s}" for k in kinds)
+        extra = f"{total[v] - total['plain']:+9.2f}" if "plain" in total else ""
+        print(f"{v:41s}{cells}{total[v]:9.2f}{extra:>10s}")
 
 
 if __name__ == "__main__":

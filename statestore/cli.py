@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--window", type=int, default=d.window, help="steps prefetched ahead per dp rank")
     srv.add_argument("--keep-consumed", type=int, default=d.keep_consumed, help="consumed steps kept for replay")
     srv.add_argument("--fetch-concurrency", type=int, default=d.fetch_concurrency, help="batch fetches from the data servers in flight at once")  # fmt: skip
+    srv.add_argument("--fetch-steps", type=int, default=d.fetch_steps, help="small steps (at most 256 KiB) a prefetch asks a data server for at once, one request split into one file per step (1 = a request per step)")  # fmt: skip
     srv.add_argument("--fetch-retry-s", type=float, default=d.fetch_retry_s, help="how long a fetch a reader waits on is retried while no data server answers")  # fmt: skip
     srv.add_argument("--durable-dir", type=Path, default=None, help="directory of the durable tier (safetensors + JSON)")
     srv.add_argument("--durable-every", type=int, default=d.durable_every, help="copy committed shards to --durable-dir every N steps (0 = off); copies are written behind the steps, so losing every copy in memory goes back up to 2N-1 steps")  # fmt: skip
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         window=args.window,
         keep_consumed=args.keep_consumed,
         fetch_concurrency=args.fetch_concurrency,
+        fetch_steps=args.fetch_steps,
         fetch_retry_s=args.fetch_retry_s,
         durable_dir=args.durable_dir,
         durable_every=args.durable_every,

@@ -25,6 +25,9 @@ class DaemonConfig:
     window: int = 4  # steps prefetched ahead of the slowest local reader of a dp rank
     keep_consumed: int = 2  # consumed steps kept for replay after a restore
     fetch_concurrency: int = 4  # HTTP fetches in flight across all dp ranks (4 measured best)
+    fetch_steps: int = (
+        4  # small steps (a few KiB: tokens) prefetched this many per request, split into their files here; 1 = one per request
+    )
     fetch_retry_s: float = 30.0  # how long a waiting reader's fetch is retried on 5xx/unreachable
     durable_dir: Path | None = None  # durable tier (safetensors + JSON), off unless set
     durable_every: int = 0  # copy committed shards there every N steps; 0 = off
@@ -91,7 +94,7 @@ class DaemonConfig:
 
     def validate(self) -> None:
         parse_urls(self.dataserver)  # ValueError naming an entry that is no URL
-        for name, least in (("window", 1), ("keep_consumed", 0), ("fetch_concurrency", 1)):
+        for name, least in (("window", 1), ("keep_consumed", 0), ("fetch_concurrency", 1), ("fetch_steps", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if self.durable_every < 0 or (self.durable_every and self.durable_dir is None):

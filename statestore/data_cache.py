@@ -2,11 +2,17 @@
 
 One *stream* per ``(job, dp_rank)`` whatever the number of local readers (tp/pp ranks of one dp
 rank share data, so they share one copy). Each step is one file — an Arrow IPC stream of one
-record batch, exactly the bytes the data server sent — written under a temporary name and
-published by rename, so readers map it zero-copy and never see it change. A stream prefetches
-steps ``[slowest reader, fastest reader + W)`` in step order (the step a reader waits on is
-always the lowest missing one, so order is priority), keeps ``keep_consumed`` steps behind the
-slowest reader for replay, and unlinks the rest.
+record batch — written under a temporary name and published by rename, so readers map it
+zero-copy and never see it change. A stream prefetches steps ``[slowest reader, fastest reader +
+W)`` in step order (the step a reader waits on is always the lowest missing one, so order is
+priority), keeps ``keep_consumed`` steps behind the slowest reader for replay, and unlinks the rest.
+
+A step is fetched alone, its file exactly the body the data server sent — unless steps are small
+(tokens: a few KiB, where a request costs the data server ~1 ms of CPU and the step's bytes
+nothing): then a prefetch asks for ``fetch_steps`` consecutive steps in one request, up to
+``fetch_steps - 1`` past the window, and splits the stream into one file per step here (each the
+stream's schema, the step's record batch and its metadata; ``split_steps``). A run that fails is
+fetched again step by step, so its errors are exactly those of single fetches.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
+import pyarrow as pa
 
 from dataserver.protocol.auth import bearer
 from dataserver.protocol.errors import CapacityError, FFPlaneError, FFTimeoutError, TransportError, UnavailableError, error_from
@@ -32,9 +39,11 @@ from statestore.link_gate import LinkGate, Priority
 from statestore.protocol.files import step_file
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 _CONNECT_S, _READ_S = 2.0, 10.0  # a data server that takes no connection / sends nothing this long is passed over
+RUN_STEP_BYTES = 256 << 10  # steps at most this big are prefetched ``fetch_steps`` per request
 
 
 class _PutOff(UnavailableError):
@@ -63,6 +72,7 @@ class Stream:
     misses: int = 0
     wait_s: float = 0.0
     fetched: int = 0
+    requests: int = 0  # fetch requests sent to data servers (fewer than ``fetched`` where runs are on)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     pump: asyncio.Task[None] | None = None
 
@@ -92,6 +102,7 @@ class Stream:
             "hits": self.hits,
             "misses": self.misses,
             "fetched": self.fetched,
+            "requests": self.requests,
             "prefetch_lag_steps": lag,
             "reader_wait_s": round(self.wait_s, 6),
         }
@@ -234,15 +245,39 @@ class DataCache:
             win = stream.window(self.config.window)
             if win is None:
                 continue
+            estimate = self._step_estimate(stream)
+            runs = self.config.fetch_steps > 1 and 0 < estimate <= RUN_STEP_BYTES
+            in_flight = self.config.fetch_concurrency * (self.config.fetch_steps if runs else 1)  # steps, not requests
             for step in range(win[0], win[1] if stream.end_step is None else min(win[1], stream.end_step)):
-                if step in stream.ready or step in stream.inflight or step in stream.failed:
+                if not self._missing(stream, step):
                     continue
-                if len(stream.inflight) >= self.config.fetch_concurrency:
+                if len(stream.inflight) >= in_flight:
                     break
-                if self.cached_bytes() + self.other_bytes() + self._step_estimate(stream) > self.config.budget_bytes:
+                fit = (self.config.budget_bytes - self.cached_bytes() - self.other_bytes()) // max(estimate, 1)
+                if fit < 1:
                     log.warning("cache budget reached; prefetch paused", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step})
                     break
-                self._start_fetch(stream, step)
+                run = self._run(stream, step, win[1])[:fit] if runs else [step]
+                if len(run) == 1:
+                    self._start_fetch(stream, step)
+                else:
+                    self._start_run(stream, run)
+
+    def _missing(self, stream: Stream, step: int) -> bool:
+        return step not in stream.ready and step not in stream.inflight and step not in stream.failed
+
+    def _run(self, stream: Stream, step: int, window_end: int) -> list[int]:
+        """The consecutive missing steps from ``step`` one request fetches: up to ``fetch_steps``,
+        reaching at most ``fetch_steps - 1`` past the window (so in a steady run each request
+        brings ``fetch_steps`` new steps instead of the one the window just gained)."""
+        # past the window by less than eviction's reach (``_evict``: ``window`` past it)
+        end = min(step + self.config.fetch_steps, window_end + min(self.config.fetch_steps - 1, self.config.window))
+        if stream.end_step is not None:
+            end = min(end, stream.end_step)
+        run = [step]
+        while run[-1] + 1 < end and self._missing(stream, run[-1] + 1):
+            run.append(run[-1] + 1)
+        return run
 
     def _step_estimate(self, stream: Stream) -> int:
         return max(max((c.nbytes for c in stream.ready.values()), default=0), stream.step_bytes)
@@ -326,14 +361,120 @@ class DataCache:
             stream.inflight.pop(step, None)
             stream.wake.set()
 
+    def _start_run(self, stream: Stream, steps: list[int]) -> None:
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in steps]
+        for step, fut in zip(steps, futs):
+            stream.inflight[step] = fut
+        task = asyncio.create_task(self._fetch_run(stream, steps, futs), name=f"fetch {stream.key}/{steps[0]}+{len(steps)}")
+        task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
+
+    async def _fetch_run(self, stream: Stream, steps: list[int], futs: list[asyncio.Future[CachedStep]]) -> None:
+        """Fetch ``steps`` with one request; if that fails in any way, each step on its own (as
+        ``_fetch``: its retries, its errors, its end of the job)."""
+        got: list[CachedStep] = []
+        try:
+            async with self._fetch_slots:
+                got = await self._download_run(stream, steps)
+        except FFPlaneError as exc:
+            log.info(
+                "run fetch failed; fetching its steps one by one",
+                extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": steps[0], "steps": len(steps), "error": str(exc)},
+            )
+        except Exception:  # noqa: BLE001 - a bug here must not cost the readers their steps
+            log.exception("run fetch crashed; fetching its steps one by one", extra={"job": stream.job, "step": steps[0]})
+        except BaseException:
+            for step, fut in zip(steps, futs):
+                stream.inflight.pop(step, None)
+                if not fut.done():
+                    fut.cancel()
+            raise
+        for step, fut, cached in zip(steps, futs, got):
+            stream.ready[step] = cached
+            stream.fetched += 1
+            stream.inflight.pop(step, None)
+            fut.set_result(cached)
+        stream.wake.set()
+        for step, fut in list(zip(steps, futs))[len(got) :]:
+            await self._fetch(stream, step, fut)
+
+    async def _download_run(self, stream: Stream, steps: list[int]) -> list[CachedStep]:
+        """``_download`` for several steps: the same servers in the same order (the first step's)."""
+        return await self._failing_over(stream, steps[0], lambda server: self._download_run_from(server, stream, steps))
+
+    async def _download_run_from(self, server: str, stream: Stream, steps: list[int]) -> list[CachedStep]:
+        assert self._session is not None
+        url = f"{server}/v1/jobs/{stream.job}/batches"
+        params = {"dp_rank": str(stream.dp_rank), "start": str(steps[0]), "count": str(len(steps))}
+        stream.requests += 1
+        chunks: list[bytes] = []
+        try:
+            async with self._session.get(url, params=params, headers=bearer(stream.token or self.token)) as resp:
+                if resp.status != 200:
+                    detail = (await resp.text())[:500]
+                    raise error_from(
+                        resp.status, f"data server answered {resp.status} for {stream.key} steps {steps[0]}+{len(steps)}: {detail}"
+                    )
+                need = resp.content_length if resp.content_length is not None else self._step_estimate(stream) * len(steps)
+                self._make_room(stream, steps[0], need)
+                try:
+                    async for chunk, _ in resp.content.iter_chunks():
+                        if self.gate is not None:
+                            await self._admit(stream, steps[0], len(chunk))
+                        chunks.append(chunk)
+                finally:
+                    self._reserved -= need
+        except aiohttp.ClientError as exc:
+            raise TransportError(f"cannot fetch {stream.key} steps {steps[0]}+{len(steps)} from {server}: {exc}") from exc
+        body = b"".join(chunks)
+        if resp.content_length is not None and len(body) != resp.content_length:
+            raise TransportError(
+                f"{stream.key} steps {steps[0]}+{len(steps)}: body of {len(body)} bytes, Content-Length said {resp.content_length}"
+            )
+        try:
+            files = split_steps(body, steps)
+        except (ValueError, pa.ArrowException) as exc:
+            raise TransportError(f"{stream.key} steps {steps[0]}+{len(steps)} from {server}: {exc}") from exc
+        out: list[CachedStep] = []
+        for step, data in zip(steps, files):
+            final = stream.directory / step_file(step)
+            tmp = shm.tmp_path(final)
+            try:
+                fd = shm.open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                try:
+                    shm.presize(fd, data.size)
+                    writer = shm.PageWriter(fd)
+                    writer.add(memoryview(data))
+                    writer.flush()
+                finally:
+                    os.close(fd)
+            except OSError as exc:  # as a single fetch: a full tmpfs is a clear error
+                shm.unlink(tmp)
+                if out:
+                    return out  # the steps written so far are good; the rest go one by one
+                raise CapacityError(f"cannot cache {stream.key} step {step} in {self.config.root}: {exc}; the tmpfs is full") from exc
+            shm.publish(tmp, final)
+            self.index.put(
+                _index_key(stream.job, stream.dp_rank, step), {"file": str(final.relative_to(self.config.root)), "nbytes": data.size}
+            )
+            self.bytes_fetched += data.size
+            stream.step_bytes = data.size
+            out.append(CachedStep(final, data.size))
+        return out
+
     async def _download(self, stream: Stream, step: int, tmp: Path, final: Path) -> CachedStep:
         """Fetch ``step`` from the data server its turn falls to, or at once from the next one
         when that one does not answer or answers 5xx (the same bytes: a batch is a pure function
         of its TID)."""
+        return await self._failing_over(stream, step, lambda server: self._download_from(server, stream, step, tmp, final))
+
+    async def _failing_over(self, stream: Stream, step: int, fetch: Callable[[str], Awaitable[_T]]) -> _T:
+        """``fetch`` from each server in ``step``'s order until one answers; only a server that
+        does not answer or answers 5xx is passed over."""
         error: FFPlaneError | None = None
         for server in self.servers.for_step(stream.key, step):
             try:
-                cached = await self._download_from(server, stream, step, tmp, final)
+                got = await fetch(server)
             except FFPlaneError as exc:
                 if isinstance(exc, _PutOff) or not (isinstance(exc, TransportError) or exc.status >= 500):
                     raise
@@ -341,7 +482,7 @@ class DataCache:
                 error = exc
                 continue
             self.servers.answered(server)
-            return cached
+            return got
         assert error is not None
         raise error
 
@@ -351,6 +492,7 @@ class DataCache:
         token = stream.token or self.token
         headers = bearer(token)
         params = {"dp_rank": str(stream.dp_rank), "start": str(step), "count": "1"}
+        stream.requests += 1
         nbytes = 0
         try:
             async with self._session.get(url, params=params, headers=headers) as resp:
@@ -417,3 +559,28 @@ class DataCache:
             shm.unlink(cached.path)  # readers holding a mapping keep their pages
         if old:
             self.index.delete(*(_index_key(stream.job, stream.dp_rank, s) for s in old))
+
+
+def split_steps(body: bytes, steps: list[int]) -> list[pa.Buffer]:
+    """One Arrow IPC stream holding ``steps``' record batches, in order, as one stream per step
+    (the schema, the step's batch with its metadata, the end marker: what a request for that
+    step alone returns). ValueError if the batches are not those steps."""
+    reader = pa.ipc.open_stream(pa.py_buffer(body))
+    out: list[pa.Buffer] = []
+    for step in steps:
+        try:
+            batch, meta = reader.read_next_batch_with_custom_metadata()
+        except StopIteration:
+            raise ValueError(f"the stream ends before step {step}") from None
+        said = None if meta is None else meta.get(b"step")
+        if said != str(step).encode():
+            raise ValueError(f"the stream's batch for step {step} says step {said!r}")
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, reader.schema) as writer:
+            writer.write_batch(batch, custom_metadata=meta)
+        out.append(sink.getvalue())
+    try:
+        reader.read_next_batch()
+    except StopIteration:
+        return out
+    raise ValueError(f"the stream holds more than the {len(steps)} steps asked for")

@@ -186,11 +186,11 @@ class CommitPipeline:
 
     # --- commits -------------------------------------------------------------------------
     def post(
-        self, step: int, slot: proto.Grant, reserved: bool, nbytes: int, tree: Any, static: dict[str, Any], save_block_s: float
+        self, step: int, slot: proto.Grant, reserved: bool, nbytes: int, tree_json: str, static: dict[str, Any], save_block_s: float
     ) -> None:
         """Send the commit without waiting for it: the daemon checksums and records the slot
         while training goes on. The header's static part (tensors, storages, layout) goes only
-        when it changed."""
+        when it changed; the per-step part is the tree, as JSON text."""
         with self._lock:
             sent_static = None
             if static != self._static:
@@ -203,7 +203,7 @@ class CommitPipeline:
                 step,
                 slot.slot,
                 nbytes,
-                {"tree": tree},
+                {"tree_json": tree_json},
                 save_block_s,
                 reserved,
                 self._static_digest,

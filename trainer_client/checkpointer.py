@@ -165,7 +165,7 @@ class Checkpointer:
                 raise
             if not self.overlapped:
                 self.last_save_block_s = time.perf_counter() - started
-            self._commits.post(step, slot, reserved, nbytes, enc.tree, static, self.last_save_block_s)
+            self._commits.post(step, slot, reserved, nbytes, enc.tree_json(), static, self.last_save_block_s)
 
         try:
             pairs = self._pairs(dst, enc, lo, hi, private)

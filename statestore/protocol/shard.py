@@ -11,7 +11,8 @@ from typing import Any, TypedDict
 
 
 class ShardHeader(TypedDict, total=False):
-    tree: Any  # the state's structure, tensors as references
+    tree: Any  # the state's structure, tensors as references (saves before tree_json)
+    tree_json: str  # the same as JSON text: it crosses every daemon and hop unparsed, read by restores only
     tensors: list[dict[str, Any]]  # storage, dtype, shape, stride, storage_offset, requires_grad
     storages: list[dict[str, Any]]  # stream ("private" | "replicated"), offset, nbytes
     stream_nbytes: dict[str, int]
@@ -26,7 +27,7 @@ class ShardHeader(TypedDict, total=False):
 
 # The keys that change from step to step (the tree holds loop counters, lr, a loader position);
 # the rest is the header's static part, which a commit or a push sends only when it changes.
-PER_STEP = ("tree",)
+PER_STEP = ("tree", "tree_json")
 
 
 def layout_roles(header: dict[str, Any], role: str) -> list[str]:
@@ -51,6 +52,7 @@ def check_header(value: object) -> ShardHeader:
 
 
 _TYPES: dict[str, type] = {
+    "tree_json": str,
     "tensors": list,
     "storages": list,
     "stream_nbytes": dict,

@@ -155,7 +155,13 @@ class BulkTransport(HttpTransport):
         if sock is None:
             sock = await self._connect(peer)
         try:
-            await asyncio.wait_for(loop.sock_sendall(sock, head.pack() + meta), _STALL_S)
+            frame = head.pack() + meta
+            try:  # a head and its metadata fit the socket buffer: no task, no timer, no wake-up
+                sent = sock.send(frame)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(frame):
+                await asyncio.wait_for(loop.sock_sendall(sock, memoryview(frame)[sent:]), _STALL_S)
             if shard is not None and head.length:
                 await self._send_file(sock, shard, head.offset, head.offset + head.length, urgent)
             return await asyncio.wait_for(self._reply(sock), _STALL_S)

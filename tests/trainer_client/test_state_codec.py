@@ -16,6 +16,19 @@ def _round_trip(state: object, private: frozenset[str] = frozenset()) -> object:
     return decode(header, [s.clone() for s in enc.sources])
 
 
+def test_the_tree_travels_as_text_and_older_headers_still_decode() -> None:
+    """A commit carries the tree as JSON text (no daemon parses it); shards saved before, and
+    their durable copies, hold it as a JSON value under ``tree`` — both restore alike."""
+    state = {"w": torch.arange(6.0).view(2, 3), "loop": {"lr": 0.1, "n": [1, 2]}}
+    enc = encode(state)
+    header = enc.header()
+    assert isinstance(header["tree_json"], str) and "tree" not in header
+    older = {**{k: v for k, v in header.items() if k != "tree_json"}, "tree": json.loads(header["tree_json"])}
+    for h in (header, older):
+        out = decode(json.loads(json.dumps(h)), [s.clone() for s in enc.sources])
+        assert torch.equal(out["w"], state["w"]) and out["loop"] == state["loop"]
+
+
 def test_every_common_dtype_and_json_leaves() -> None:
     state = {
         "t": {

@@ -1,0 +1,104 @@
+"""Where a run's CPU goes, by kind of process: a thread snapshots the CPU seconds of every
+process below this one a few times a second, and ``per_step`` turns two snapshots into CPU
+milliseconds per training step for each kind (workers, node daemons, data servers, ...).
+
+On a machine whose cores the whole cluster shares, a step's time is roughly the CPU all of them
+spend on it divided by the cores, so this says which process a slower variant pays in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+# what a process's command line says it is (first match wins); anything else is "other"
+KINDS = (
+    ("node daemon", "statestore serve"),
+    ("data server", "dataserver serve"),
+    ("zygote", "warm_start --serve"),
+    ("worker", "warm_start"),
+    ("worker", "_job.py"),
+    ("floor sink", "_floor_sink"),  # the floor variant's receiving end: a daemon's receive at its least
+    ("torchrun agent", "torch.distributed.run"),
+    ("etcd", "etcd"),
+)
+
+
+def _kind(cmdline: str) -> str:
+    return next((kind for kind, mark in KINDS if mark in cmdline), "other")
+
+
+@dataclass
+class _Snapshot:
+    t: float  # time.time(), as the job's events stamp steps
+    cpu: dict[int, tuple[str, float]] = field(default_factory=dict)  # pid → (kind, CPU seconds)
+
+
+def _snapshot(root: int) -> _Snapshot:
+    stats: dict[int, tuple[int, float]] = {}  # pid → (parent, CPU seconds)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            stats[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) * _TICK_S)
+        except (OSError, ValueError, IndexError):
+            continue  # a process that just ended
+    snap, frontier = _Snapshot(time.time()), {root}
+    while frontier:
+        kids = {p for p, (pp, _) in stats.items() if pp in frontier}
+        for p in kids:
+            try:
+                cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            snap.cpu[p] = (_kind(cmd), stats[p][1])
+        frontier = kids
+    return snap
+
+
+class CpuSampler:
+    """Snapshots of every process below this one, every ``every_s``, while in a ``with`` block."""
+
+    def __init__(self, every_s: float = 0.25) -> None:
+        self.every_s = every_s
+        self.snapshots: list[_Snapshot] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        root = os.getpid()
+        while not self._stop.is_set():
+            self.snapshots.append(_snapshot(root))
+            self._stop.wait(self.every_s)
+
+    def per_step(self, step_times: list[float], ranks: int) -> dict[str, float]:
+        """CPU ms per step by kind, between the first snapshot after the run got going (every
+        rank's first step done) and the last one before its last step; ``step_times``: when each
+        rank finished each step. A process counts if it lived through the whole window (workers
+        that restarted inside it would be missed: these runs have no failures). Empty when the
+        run was too short to hold two snapshots (a smoke run)."""
+        times = [s.t for s in self.snapshots]
+        done = sorted(step_times)
+        start = bisect.bisect_right(times, done[ranks - 1])
+        end = bisect.bisect_left(times, done[-1]) - 1
+        if end <= start:
+            return {}
+        a, b = self.snapshots[start], self.snapshots[end]
+        steps = (bisect.bisect_right(done, b.t) - bisect.bisect_right(done, a.t)) / ranks
+        out: dict[str, float] = {}
+        for pid, (kind, cpu) in b.cpu.items():
+            if pid in a.cpu:
+                out[kind] = out.get(kind, 0.0) + (cpu - a.cpu[pid][1]) * 1e3 / steps
+        return out

@@ -1,0 +1,69 @@
+"""Small steps are prefetched several per request and split into one file per step, each the
+same bytes a request for that step alone returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pytest
+
+from statestore.data_cache import split_steps
+from statestore.protocol.files import step_file
+from tests._servers import TOKEN, Proc
+from tests.conftest import create_job
+from trainer_client import DataLoader
+
+
+def _stream(steps: list[int]) -> bytes:
+    """An IPC stream of one record batch per step, as the data server writes it."""
+    sink = pa.BufferOutputStream()
+    schema = pa.schema([("tokens", pa.int32())])
+    with pa.ipc.new_stream(sink, schema) as writer:
+        for step in steps:
+            writer.write_batch(pa.record_batch([pa.array([step, step + 1], pa.int32())], schema), custom_metadata={"step": str(step)})
+    return sink.getvalue().to_pybytes()
+
+
+def test_split_steps_gives_each_step_its_own_stream() -> None:
+    parts = split_steps(_stream([5, 6, 7]), [5, 6, 7])
+    assert [p.to_pybytes() for p in parts] == [_stream([s]) for s in (5, 6, 7)]
+    reader = pa.ipc.open_stream(parts[1])
+    batch, meta = reader.read_next_batch_with_custom_metadata()
+    assert batch.column(0).to_pylist() == [6, 7] and meta[b"step"] == b"6"
+
+
+@pytest.mark.parametrize(
+    ("asked", "error"),
+    [([5, 6], "more than the 2 steps"), ([5, 6, 7, 8], "ends before step 8"), ([5, 7, 8], "for step 7 says step b'6'")],
+)
+def test_split_steps_refuses_a_stream_that_is_not_the_steps_asked_for(asked: list[int], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        split_steps(_stream([5, 6, 7]), asked)
+
+
+def test_small_steps_arrive_in_runs_byte_for_byte_as_single_fetches(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    # 30 steps: the last run asked for crosses the job's end, is refused (416) and is fetched
+    # again step by step, which finds the end as a single fetch does
+    create_job(dataserver, dp=1, batch_per_rank=8, max_steps=30)
+    daemon = start_daemon("--fetch-steps", "4")
+    cached: dict[int, bytes] = {}
+    loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock")
+    for i, _ in enumerate(loader):
+        cached[i] = (shm_root / "j1" / "data" / "0" / step_file(i)).read_bytes()  # in use: not evicted yet
+    assert sorted(cached) == list(range(30))
+    for step, body in cached.items():
+        alone = httpx.get(
+            f"{dataserver.url}/v1/jobs/j1/batches",
+            params={"dp_rank": 0, "start": step, "count": 1},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert alone.status_code == 200 and body == alone.content, f"step {step}"
+    stream = httpx.get(daemon.url + "/v1/cache").json()["streams"][0]
+    # before: one request per step (30 or more; here ~20, some steps fetched alone for a reader
+    # that outran the prefetch, and the runs past the end)
+    assert stream["fetched"] >= 30 and stream["requests"] < stream["fetched"], stream
