@@ -38,6 +38,15 @@ def test_daemons_bound_to_every_interface_replicate_restore_anywhere_and_survive
         assert advertised == {f"n{i}": c.net.nodes[i + 1].addr for i in range(3)}  # never 0.0.0.0 or loopback
         assert all(d.ready["host"] == "0.0.0.0" for d in c.daemons)
 
+        def successor(d: int) -> str | None:
+            succ: str | None = httpx.get(c.daemons[d].url + "/v1/state").json()["replication"]["successor"]
+            return succ
+
+        # the coordinator's ring reaches each daemon with its next heartbeat answer; a commit made
+        # before then has no successor to wait for (the ring pushes it later)
+        for d in (0, 1):
+            until(lambda: successor(d), what=f"n{d} knows its ring successor")
+
         cks = [Checkpointer("hosts", Layout(dp=2, dp_rank=r), socket_path=c.socket(r)) for r in range(2)]  # roles on n0 and n1
         for step in (1, 2, 3):
             for ck in cks:
@@ -45,7 +54,8 @@ def test_daemons_bound_to_every_interface_replicate_restore_anywhere_and_survive
         for ck in cks:
             ck.settle()
             ck.close()
-        succ = httpx.get(c.daemons[0].url + "/v1/state").json()["replication"]["successor"]  # url: the advertised address
+        succ = successor(0)  # url: the advertised address
+        assert succ is not None
         held = httpx.get(c.daemons[int(succ[1:])].url + "/v1/state").json()["replicas"]
         assert any(r["role"] == "dp0-pp0-tp0" and r["step"] == 3 for r in held)  # pushed to n0's successor at its address
 
