@@ -18,7 +18,8 @@ reads ``--steps`` steps; measured per step, from the scheduler's per-process CPU
 
 To see inside a process, record it while this runs, e.g. ``perf record -F 999 -p <daemon pid>``
 (the ready files under ``--work`` name the pids). Results: ``bench/results/path_cpu.json``;
-docs/decisions.md ("Data path, fourth pass") reads them.
+docs/decisions.md ("Data server: one gather, encode on the loop, keep the heap" and "The daemon
+fetches one step per request, 4 in flight") read them.
 """
 
 from __future__ import annotations

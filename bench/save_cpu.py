@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, cpu_by_thread, cpu_s, print_table, ratio, summary, write_results  # noqa: E402
 from bench.overhead import Loop  # noqa: E402
+from dataserver.protocol.pagemap import populate_write  # noqa: E402
 from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
 from statestore.protocol import control as proto  # noqa: E402
 from statestore.protocol.checksum import checksum  # noqa: E402
@@ -58,7 +59,6 @@ from trainer_client._daemon_client import DaemonClient  # noqa: E402
 from trainer_client.state_codec import encode  # noqa: E402
 
 GIB = 1 << 30
-_MADV_POPULATE_WRITE = 23
 WARM_SAVES = 4  # slots allocated and faulted, and the receiver's replica files reused from then on
 
 
@@ -96,7 +96,7 @@ def _tcp_s(nbytes: int, times: int, where: Path, into: str = "buffer") -> tuple[
         mm = mmap.mmap(fd, nbytes)
         os.close(fd)
         path.unlink()  # the mapping keeps the pages until it goes
-        mm.madvise(_MADV_POPULATE_WRITE)  # as the daemon's receiver does
+        populate_write(mm)  # as the daemon's receiver does
         keep[:] = [mm]
         return memoryview(mm)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dataserver.protocol.errors import CapacityError, CorruptError, FFPlaneError, StaticHeaderUnknownError, TransferOrderError
+from dataserver.protocol.pagemap import populate_write
 from statestore import shm
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 KEEP_VERSIONS = 2  # a replica trails its primary by at most a commit or so; the primary keeps three
 SPARE = "spare.bin"  # a role's retired replica file, kept for its next push
 STATICS_KEY = "rstatics/"  # index keys of replicas' static header parts: rstatics/<job>/<role>/<digest>
-_MADV_POPULATE_WRITE = 23
 
 
 @dataclass
@@ -247,10 +247,7 @@ class ReplicaStore:
                 inc.sink = mmap.mmap(fd, max(inc.meta.nbytes, 1))
             finally:
                 os.close(fd)
-            try:  # page tables in one call, not a fault per 4 KiB as the bytes land
-                inc.sink.madvise(_MADV_POPULATE_WRITE)
-            except (OSError, ValueError):
-                pass
+            populate_write(inc.sink)
         return inc, memoryview(inc.sink)[: inc.meta.nbytes]
 
     def sink_mapped(self, job: str, role: str, step: int) -> bool:

@@ -32,12 +32,12 @@ from dataserver.protocol.errors import (
     TransportError,
     UnknownSlotError,
 )
+from dataserver.protocol.pagemap import populate_write
 from statestore.protocol import control as proto
 from trainer_client._daemon_client import DaemonClient
 from trainer_client.pinned import Registration
 
 log = logging.getLogger(__name__)
-_MADV_POPULATE_WRITE = 23
 _SAY_WHY_AFTER_S = 1.0  # a save waiting this long for the previous commit logs why
 
 
@@ -51,10 +51,7 @@ class _Slot:
             self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        try:
-            self.mm.madvise(_MADV_POPULATE_WRITE)  # page tables now, not on the first save's copy
-        except OSError:
-            pass
+        populate_write(self.mm)  # page tables now, not on the first save's copy
         self.path = path
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned: Registration | None = None  # registered for CUDA copies on the first one
