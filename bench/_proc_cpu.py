@@ -97,6 +97,8 @@ class CpuSampler:
             return {}
         a, b = self.snapshots[start], self.snapshots[end]
         steps = (bisect.bisect_right(done, b.t) - bisect.bisect_right(done, a.t)) / ranks
+        if steps <= 0:  # steps slower than the snapshots: none finished between the two
+            return {}
         out: dict[str, float] = {}
         for pid, (kind, cpu) in b.cpu.items():
             if pid in a.cpu:

@@ -12,6 +12,8 @@ from dataserver.protocol.servers import parse_urls
 from statestore.link_gate import GateConfig
 from statestore.protocol.files import DEFAULT_ROOT, SOCKET_NAME
 
+_MAX_FETCH_STEPS = 256
+
 
 @dataclass
 class DaemonConfig:
@@ -97,6 +99,10 @@ class DaemonConfig:
         for name, least in (("window", 1), ("keep_consumed", 0), ("fetch_concurrency", 1), ("fetch_steps", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        if self.fetch_steps > _MAX_FETCH_STEPS:  # a data server refuses more per request (its --max-steps-per-request)
+            raise ValueError(
+                f"fetch_steps must be <= {_MAX_FETCH_STEPS} (a data server's default --max-steps-per-request), got {self.fetch_steps}"
+            )
         if self.durable_every < 0 or (self.durable_every and self.durable_dir is None):
             raise ValueError("durable_every needs durable_dir and must be >= 0")
         self.gate.validate()

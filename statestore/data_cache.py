@@ -50,6 +50,13 @@ class _PutOff(UnavailableError):
     """A prefetch that waits for room: a reader asking for it retries, as for a busy data server."""
 
 
+class _RunTooLarge(FFPlaneError):
+    """A run's body is past what runs are for (steps grew since the estimate): its steps are
+    fetched one by one, each within the budget like any large step. Not the server's fault."""
+
+    status = 413
+
+
 @dataclass
 class CachedStep:
     path: Path
@@ -103,6 +110,7 @@ class Stream:
             "misses": self.misses,
             "fetched": self.fetched,
             "requests": self.requests,
+            "end_step": self.end_step,
             "prefetch_lag_steps": lag,
             "reader_wait_s": round(self.wait_s, 6),
         }
@@ -376,6 +384,14 @@ class DataCache:
         try:
             async with self._fetch_slots:
                 got = await self._download_run(stream, steps)
+        except _PutOff as exc:  # no room now: the whole run waits, as a single prefetch would
+            for step, fut in zip(steps, futs):
+                stream.inflight.pop(step, None)
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: a reader asking for the step fetches it itself
+            stream.wake.set()
+            log.info("fetch put off", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": steps[0], "steps": len(steps)})
+            return
         except FFPlaneError as exc:
             log.info(
                 "run fetch failed; fetching its steps one by one",
@@ -399,8 +415,9 @@ class DataCache:
             await self._fetch(stream, step, fut)
 
     async def _download_run(self, stream: Stream, steps: list[int]) -> list[CachedStep]:
-        """``_download`` for several steps: the same servers in the same order (the first step's)."""
-        return await self._failing_over(stream, steps[0], lambda server: self._download_run_from(server, stream, steps))
+        """``_download`` for several steps (servers in ``DataServers.for_run``'s order)."""
+        servers = self.servers.for_run(stream.key, steps[0], self.config.fetch_steps)
+        return await self._failing_over(servers, lambda server: self._download_run_from(server, stream, steps))
 
     async def _download_run_from(self, server: str, stream: Stream, steps: list[int]) -> list[CachedStep]:
         assert self._session is not None
@@ -408,6 +425,8 @@ class DataCache:
         params = {"dp_rank": str(stream.dp_rank), "start": str(steps[0]), "count": str(len(steps))}
         stream.requests += 1
         chunks: list[bytes] = []
+        cap = len(steps) * RUN_STEP_BYTES  # what a run is for; bigger steps go one by one, each within the budget
+        too_large = _RunTooLarge(f"{stream.key} steps {steps[0]}+{len(steps)} are over {RUN_STEP_BYTES >> 10} KiB a step now")
         try:
             async with self._session.get(url, params=params, headers=bearer(stream.token or self.token)) as resp:
                 if resp.status != 200:
@@ -415,10 +434,16 @@ class DataCache:
                     raise error_from(
                         resp.status, f"data server answered {resp.status} for {stream.key} steps {steps[0]}+{len(steps)}: {detail}"
                     )
-                need = resp.content_length if resp.content_length is not None else self._step_estimate(stream) * len(steps)
+                if resp.content_length is not None and resp.content_length > cap:
+                    raise too_large
+                need = resp.content_length if resp.content_length is not None else cap
                 self._make_room(stream, steps[0], need)
                 try:
+                    got = 0
                     async for chunk, _ in resp.content.iter_chunks():
+                        got += len(chunk)
+                        if got > cap:
+                            raise too_large
                         if self.gate is not None:
                             await self._admit(stream, steps[0], len(chunk))
                         chunks.append(chunk)
@@ -466,17 +491,19 @@ class DataCache:
         """Fetch ``step`` from the data server its turn falls to, or at once from the next one
         when that one does not answer or answers 5xx (the same bytes: a batch is a pure function
         of its TID)."""
-        return await self._failing_over(stream, step, lambda server: self._download_from(server, stream, step, tmp, final))
+        servers = self.servers.for_step(stream.key, step)
+        return await self._failing_over(servers, lambda server: self._download_from(server, stream, step, tmp, final))
 
-    async def _failing_over(self, stream: Stream, step: int, fetch: Callable[[str], Awaitable[_T]]) -> _T:
-        """``fetch`` from each server in ``step``'s order until one answers; only a server that
-        does not answer or answers 5xx is passed over."""
+    async def _failing_over(self, servers: list[str], fetch: Callable[[str], Awaitable[_T]]) -> _T:
+        """``fetch`` from each of ``servers`` in turn until one answers; only a server that does
+        not answer or answers 5xx is passed over (not for room this daemon lacks: ``_PutOff``,
+        ``CapacityError``)."""
         error: FFPlaneError | None = None
-        for server in self.servers.for_step(stream.key, step):
+        for server in servers:
             try:
                 got = await fetch(server)
             except FFPlaneError as exc:
-                if isinstance(exc, _PutOff) or not (isinstance(exc, TransportError) or exc.status >= 500):
+                if isinstance(exc, (_PutOff, CapacityError)) or not (isinstance(exc, TransportError) or exc.status >= 500):
                     raise
                 self.servers.failed(server)
                 error = exc

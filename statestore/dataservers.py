@@ -43,6 +43,12 @@ class DataServers:
         now = time.monotonic()
         return sorted(order, key=lambda url: self._down.get(url, 0.0) > now)  # stable: failed ones last
 
+    def for_run(self, key: str, first: int, fetch_steps: int) -> list[str]:
+        """``for_step`` for a run of steps from ``first``: servers take turns by run, since in a
+        steady stream runs start ``fetch_steps`` apart and the first step's turn would send every
+        run of a stream to the same server."""
+        return self.for_step(key, first // fetch_steps)
+
     def failed(self, url: str) -> None:
         """``url`` did not answer (or answered 5xx): passed over for a while; if it was believed
         to coordinate, the next server is asked instead."""

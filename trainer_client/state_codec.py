@@ -171,6 +171,8 @@ def encode(
             for k, v in node.items():
                 if type(k) is str:
                     key = k
+                elif isinstance(k, str):  # a StrEnum, numpy.str_: saved as str(k), as always
+                    key = str(k)
                 elif isinstance(k, int) and not isinstance(k, bool):
                     key = f"__int__{k}"
                 else:

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from dataserver.protocol.errors import FFPlaneError, error_from, kind_of
 from statestore.protocol.names import check_name, check_step
+from statestore.protocol.shard import check_header
 
 MAX_LINE = 64 << 20  # a commit carries the shard header (one entry per tensor)
 
@@ -215,6 +216,12 @@ class Commit(Request, op="commit", reply=CommitReply):
             raise ValueError("'static_header' must be a JSON object, sent with its digest 'static'")
         if self.static:
             check_name(self.static)
+        # a shard without its tree restores nothing: refused now, not found out at a restore
+        if "tree_json" not in self.header and "tree" not in self.header:
+            raise ValueError("a commit's 'header' carries the state's tree ('tree_json')")
+        check_header(self.header)
+        if self.static_header is not None:
+            check_header(self.static_header)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from enum import IntEnum
 from typing import Any
 
 from statestore.protocol.names import check_name, check_step
+from statestore.protocol.shard import check_header
 
 MAGIC = b"FFPB"
-VERSION = 1
+VERSION = 2  # 2: headers carry the tree as text (tree_json), which a version-1 daemon would drop
 META_LIMIT = 64 << 20  # the shard header names every tensor; the HTTP routes take as much
 _HEAD = struct.Struct("<4sHHIQQ")
 _REPLY = struct.Struct("<HI")
@@ -110,6 +111,9 @@ class BulkMeta:
         if static and not static.isalnum():
             raise ValueError(f"bulk metadata 'static' {static!r} is not a digest")
         check_name(d["job"]), check_name(d["role"]), check_step(d["step"])
+        check_header(d["header"])
+        if static_header is not None:
+            check_header(static_header)
         return cls(**{k: d[k] for k in want}, newest=newest, static=static, static_header=static_header)
 
 

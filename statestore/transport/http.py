@@ -19,13 +19,14 @@ from typing import Annotated, Any
 import aiohttp
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dataserver.httpserver import BearerAuth
 from dataserver.protocol.auth import bearer
 from dataserver.protocol.errors import FFPlaneError, TransferOrderError
 from statestore.link_gate import LinkGate, Priority
 from statestore.protocol.names import NAME_PATTERN, check_name, check_step
+from statestore.protocol.shard import check_header
 from statestore.replicas import Replica, ReplicaStore
 from statestore.shard import LocalShard, find_local
 from statestore.slots import SlotStore
@@ -249,6 +250,12 @@ class ReplicaMeta(BaseModel):
     checksum: str = Field(min_length=1, max_length=128)
     header: dict[str, Any]
     source: str = Field(max_length=256)
+
+    @field_validator("header")
+    @classmethod
+    def _typed(cls, header: dict[str, Any]) -> dict[str, Any]:
+        check_header(header)  # a field of the wrong type is refused here, not at a restore
+        return header
 
 
 class Received(BaseModel):

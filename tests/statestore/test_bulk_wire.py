@@ -60,6 +60,8 @@ def test_a_head_that_is_not_ours_is_refused(raw: bytes, why: str) -> None:
         (META.pack().replace(b'"checksum":"0123abcd"', b'"checksum":""'), "impossible size, checksum"),
         (META.pack().replace(b'"static":""', b'"static":"../x"'), "is not a digest"),
         (META.pack().replace(b'"static_header":null', b'"static_header":[1]'), "'static_header' an object"),
+        (META.pack().replace(b'"layout_roles":["dp0-pp0-tp0"]', b'"layout_roles":"dp0"'), "layout_roles"),
+        (META.pack().replace(b'"static_header":null', b'"static_header":{"tensors":{}}'), "tensors"),
     ],
 )
 def test_metadata_that_names_the_impossible_is_refused(raw: bytes, why: str) -> None:

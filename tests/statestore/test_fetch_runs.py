@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 
 from statestore.data_cache import split_steps
+from statestore.dataservers import DataServers
 from statestore.protocol.files import step_file
 from tests._servers import TOKEN, Proc
 from tests.conftest import create_job
@@ -44,6 +45,16 @@ def test_split_steps_refuses_a_stream_that_is_not_the_steps_asked_for(asked: lis
         split_steps(_stream([5, 6, 7]), asked)
 
 
+def test_runs_of_one_stream_take_turns_over_the_data_servers() -> None:
+    """In a steady stream runs start ``fetch_steps`` apart: by their first step alone every run
+    would go to the same server (of 2 or 4); by run they alternate as single steps do."""
+    for n in (2, 4):
+        servers = DataServers(",".join(f"http://10.0.0.{i}:8470" for i in range(n)))
+        firsts = [servers.for_run("j1/0", start, 4)[0] for start in range(0, 4 * 2 * n, 4)]
+        assert set(firsts) == set(servers.urls) and all(a != b for a, b in zip(firsts, firsts[1:]))
+        assert sorted(servers.for_run("j1/0", 8, 4)) == sorted(servers.urls)  # each run can fail over to every server
+
+
 def test_small_steps_arrive_in_runs_byte_for_byte_as_single_fetches(
     dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
 ) -> None:
@@ -67,3 +78,4 @@ def test_small_steps_arrive_in_runs_byte_for_byte_as_single_fetches(
     # before: one request per step (30 or more; here ~20, some steps fetched alone for a reader
     # that outran the prefetch, and the runs past the end)
     assert stream["fetched"] >= 30 and stream["requests"] < stream["fetched"], stream
+    assert stream["end_step"] == 30  # the run past the end was refused, and its steps alone found where it is

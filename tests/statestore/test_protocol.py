@@ -43,8 +43,8 @@ REPLIES: list[tuple[proto.Request, Any]] = [
     (proto.Get(1), proto.GetReply("data/j/0/000000000001.arrow", 4096, True)),
     (proto.Alloc("j", "r", 1), proto.AllocReply(["/a", "/b", "/c"], 30.0)),
     (proto.Begin("j", "r", 1), proto.Grant("state/j/r/s0", "/dev/shm/ffplane/state/j/r/s0")),
-    (proto.Commit("j", "r", 1, "s", 1, {}), proto.CommitReply("0123abcd", proto.Grant("s1", "/x/s1"))),
-    (proto.Commit("j", "r", 1, "s", 1, {}), proto.CommitReply("0123abcd", None)),
+    (proto.Commit("j", "r", 1, "s", 1, {"tree_json": "{}"}), proto.CommitReply("0123abcd", proto.Grant("s1", "/x/s1"))),
+    (proto.Commit("j", "r", 1, "s", 1, {"tree_json": "{}"}), proto.CommitReply("0123abcd", None)),
     (proto.Restorable("j"), proto.RestorableReply(5, "memory", {"r": {"path": "/x", "offset": 0}}, None, False)),
     (proto.Restorable("j"), proto.RestorableReply(None, None, {}, "every copy failed its checksum", True)),
     (proto.Verify("j", 1), proto.VerifyReply(False, ["r"])),
@@ -77,6 +77,13 @@ def test_an_error_reply_comes_back_as_the_type_the_daemon_raised() -> None:
         (b'{"op": "begin", "job": "j", "role": "r", "step": null}', "'step'"),  # only optional fields take null
         (b'{"op": "commit", "job": "j", "role": "r", "step": 1, "slot": "s", "nbytes": 1, "header": []}', "header"),
         (b'{"op": "commit", "job": "j", "role": "r", "step": 1, "slot": "s", "nbytes": 1, "header": {}, "static_header": {}}', "static"),
+        (b'{"op": "commit", "job": "j", "role": "r", "step": 1, "slot": "s", "nbytes": 1, "header": {}}', "tree"),
+        (b'{"op": "commit", "job": "j", "role": "r", "step": 1, "slot": "s", "nbytes": 1, "header": {"tree_json": 5}}', "tree_json"),
+        (
+            b'{"op": "commit", "job": "j", "role": "r", "step": 1, "slot": "s", "nbytes": 1, "header": {"tree_json": "{}"},'
+            b' "static": "ab12", "static_header": {"tensors": {}}}',
+            "tensors",
+        ),
         (b'{"op": "restorable", "job": "j", "roles": "r"}', "roles"),
     ],
 )

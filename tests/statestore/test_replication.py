@@ -133,6 +133,8 @@ def test_a_push_resumes_and_counts_only_once_verified(cluster: LocalCluster) -> 
 
     meta = {"nbytes": len(data), "checksum": xxhash.xxh3_64_hexdigest(data), "header": {"layout_roles": ["dpX"]}, "source": "elsewhere"}
     assert httpx.post(url + "/begin", json=meta).status_code == 401  # the peer API needs the token
+    mistyped = httpx.post(url + "/begin", json={**meta, "header": {"layout_roles": "dpX"}}, headers=AUTH)
+    assert mistyped.status_code == 422 and "layout_roles" in mistyped.text  # refused as it arrives, not at a restore
     assert httpx.post(url + "/begin", json=meta, headers=AUTH).json() == {"received": 0}
     assert httpx.put(url, params={"offset": 0}, content=data[:100_000], headers=AUTH).json() == {"received": 100_000}
     # the sender went away; when it comes back it is told where to resume

@@ -29,6 +29,17 @@ def test_the_tree_travels_as_text_and_older_headers_still_decode() -> None:
         assert torch.equal(out["w"], state["w"]) and out["loop"] == state["loop"]
 
 
+def test_keys_of_str_subclasses_save_as_their_string() -> None:
+    """A StrEnum (or numpy.str_) key is a str: it saves as ``str(k)`` and restores as that string."""
+    import enum
+
+    class Part(enum.StrEnum):
+        MODEL = "model"
+
+    out = _round_trip({Part.MODEL: {"w": torch.ones(2)}, 3: "three"})
+    assert isinstance(out, dict) and set(out) == {"model", 3} and torch.equal(out["model"]["w"], torch.ones(2))
+
+
 def test_every_common_dtype_and_json_leaves() -> None:
     state = {
         "t": {
