@@ -256,16 +256,18 @@ class DataCache:
             estimate = self._step_estimate(stream)
             runs = self.config.fetch_steps > 1 and 0 < estimate <= RUN_STEP_BYTES
             in_flight = self.config.fetch_concurrency * (self.config.fetch_steps if runs else 1)  # steps, not requests
+            planned = 0  # fetches started in this pass reserve their room only when answered
             for step in range(win[0], win[1] if stream.end_step is None else min(win[1], stream.end_step)):
                 if not self._missing(stream, step):
                     continue
                 if len(stream.inflight) >= in_flight:
                     break
-                fit = (self.config.budget_bytes - self.cached_bytes() - self.other_bytes()) // max(estimate, 1)
+                fit = (self.config.budget_bytes - self.cached_bytes() - self.other_bytes() - planned) // max(estimate, 1)
                 if fit < 1:
                     log.warning("cache budget reached; prefetch paused", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step})
                     break
                 run = self._run(stream, step, win[1])[:fit] if runs else [step]
+                planned += len(run) * estimate
                 if len(run) == 1:
                     self._start_fetch(stream, step)
                 else:

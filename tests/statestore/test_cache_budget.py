@@ -31,18 +31,31 @@ def data_dir(tmp_path: Path) -> Path:
     return root
 
 
-def test_the_cache_never_holds_more_than_the_budget(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    create_job(dataserver, dp=1, batch_per_rank=16, max_steps=16)
-    daemon = start_daemon("--budget-mb", "3", "--window", "4")  # the window alone would want 4 MiB, plus 2 kept
-    seen = []
-    for _ in DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock"):
+@pytest.mark.parametrize(
+    ("rows", "budget_mb", "window"),
+    [
+        (16, 3, 4),  # 1 MiB steps: the window alone would want 4 MiB, plus 2 kept
+        (3, 1, 8),  # 192 KiB steps, prefetched 4 a request: the window and its runs would want 2.3 MiB
+    ],
+)
+def test_the_cache_never_holds_more_than_the_budget(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path, rows: int, budget_mb: int, window: int
+) -> None:
+    create_job(dataserver, dp=1, batch_per_rank=rows, max_steps=16)
+    daemon = start_daemon("--budget-mb", str(budget_mb), "--window", str(window))
+    seen, got = [], []
+    for batch in DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock"):
+        got.append(batch["tokens"][:, 0].tolist())
         time.sleep(0.05)  # prefetch has time to fill what it may
         seen.append(httpx.get(daemon.url + "/v1/cache").json())
-    assert len(seen) == 16
-    budget = 3 << 20
+    assert len(seen) == 16 and len({tuple(g) for g in got}) == 16  # every step, each its own rows
+    budget = budget_mb << 20
     # before: 4-6 MiB cached at once, from the first steps on
     assert max(c["bytes"] for c in seen) <= budget and seen[-1]["peak_bytes"] <= budget
-    assert seen[-1]["streams"][0]["fetched"] >= 16
+    stream = seen[-1]["streams"][0]
+    # each request put off for room is one the data server answered for nothing (before: 61
+    # requests for the 16 small steps, the runs of one pass each counting on the same free room)
+    assert stream["fetched"] >= 16 and stream["requests"] <= 2 * stream["fetched"], stream
 
 
 def test_a_step_larger_than_the_budget_is_a_clear_error(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
