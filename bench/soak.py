@@ -12,7 +12,7 @@ most one lost step each, every batch of the final history the one the failure-fr
     python bench/soak.py --failures 5          # what CI runs (tests/test_soak.py)
     python bench/soak.py --failures 16 --model fsdp2 --out soak_fsdp2   # the FSDP2 GPT (or fsdp2-dcp)
     python bench/soak.py --failures 1000 --kinds all --data-servers 2 --rendezvous ffplane \
-        --durable-every 4 --out soak_1000     # every kind, thirteen (~20 s a failure here: hours)
+        --durable-every 4 --steps 16000 --out soak_1000   # every kind, thirteen (~2.5 h here)
 
 ``--kinds all`` adds what needs more of the deployment: the coordinating data server SIGKILLed
 (another takes over; a supervisor restarts it), the node whose agent holds the workers' store lost
@@ -379,6 +379,12 @@ class Soak(LocalJobs):
                 undo()
             self._heal.clear()
             print(f"  {i + 1:4d} {kind:20s} recovered={recovered} lost={rec['steps_lost']} ({rec['seconds_to_progress']} s)", flush=True)
+            if (i + 1) % 100 == 0:  # a job too short ends the run before its failures: say so while there is time
+                need = done_before / (i + 1) * len(order)
+                warn = "; the job will end first: raise --steps" if need > self.steps - 3 else ""
+                print(
+                    f"  {done_before / (i + 1):.1f} steps a failure so far: ~{need:,.0f} of {self.steps:,} steps needed{warn}", flush=True
+                )
             if not recovered:
                 self.diagnose()
                 break
