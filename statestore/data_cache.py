@@ -264,7 +264,10 @@ class DataCache:
                     break
                 fit = (self.config.budget_bytes - self.cached_bytes() - self.other_bytes() - planned) // max(estimate, 1)
                 if fit < 1:
-                    log.warning("cache budget reached; prefetch paused", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step})
+                    if not planned:  # (otherwise the room is what this pass has just asked for)
+                        log.warning(
+                            "cache budget reached; prefetch paused", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step}
+                        )
                     break
                 run = self._run(stream, step, win[1])[:fit] if runs else [step]
                 planned += len(run) * estimate
