@@ -13,6 +13,7 @@ at the next step — no control messages, no records, no Python per tensor beyon
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -57,6 +58,7 @@ class _FloorSave:
                 raise RuntimeError("the floor sink did not start")
             time.sleep(0.01)
         self.sock = socket.create_connection(("127.0.0.1", int(port_file.read_text())))
+        shutil.rmtree(port_file.parent)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf: torch.Tensor | None = None
         self.answer = False  # the previous step's digest is still to be read

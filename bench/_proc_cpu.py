@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+from bench._common import cpu_s
+
 # what a process's command line says it is (first match wins); anything else is "other"
 KINDS = (
     ("node daemon", "statestore serve"),
@@ -40,22 +41,21 @@ class _Snapshot:
 
 
 def _snapshot(root: int) -> _Snapshot:
-    stats: dict[int, tuple[int, float]] = {}  # pid → (parent, CPU seconds)
+    parents: dict[int, int] = {}  # pid → parent
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            stats[int(stat.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) * _TICK_S)
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue  # a process that just ended
     snap, frontier = _Snapshot(time.time()), {root}
     while frontier:
-        kids = {p for p, (pp, _) in stats.items() if pp in frontier}
+        kids = {p for p, pp in parents.items() if pp in frontier}
         for p in kids:
             try:
                 cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                snap.cpu[p] = (_kind(cmd), cpu_s(p))  # the scheduler's ns counts, as every bench reads CPU
             except OSError:
                 continue
-            snap.cpu[p] = (_kind(cmd), stats[p][1])
         frontier = kids
     return snap
 

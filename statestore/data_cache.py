@@ -483,13 +483,8 @@ class DataCache:
                 if out:
                     return out  # the steps written so far are good; the rest go one by one
                 raise CapacityError(f"cannot cache {stream.key} step {step} in {self.config.root}: {exc}; the tmpfs is full") from exc
-            shm.publish(tmp, final)
-            self.index.put(
-                _index_key(stream.job, stream.dp_rank, step), {"file": str(final.relative_to(self.config.root)), "nbytes": data.size}
-            )
-            self.bytes_fetched += data.size
+            out.append(self._publish(stream, step, tmp, final, data.size))
             stream.step_bytes = data.size
-            out.append(CachedStep(final, data.size))
         return out
 
     async def _download(self, stream: Stream, step: int, tmp: Path, final: Path) -> CachedStep:
@@ -554,6 +549,10 @@ class DataCache:
         except FFPlaneError:
             shm.unlink(tmp)
             raise
+        return self._publish(stream, step, tmp, final, nbytes)
+
+    def _publish(self, stream: Stream, step: int, tmp: Path, final: Path, nbytes: int) -> CachedStep:
+        """A step's file, written whole under ``tmp``, becomes ``final`` and is recorded."""
         shm.publish(tmp, final)
         self.index.put(_index_key(stream.job, stream.dp_rank, step), {"file": str(final.relative_to(self.config.root)), "nbytes": nbytes})
         self.bytes_fetched += nbytes
