@@ -326,22 +326,23 @@ class ReplicaStore:
                 self._maps[r.path] = inc.sink
                 self._writable.add(r.path)
             r.complete_at = time.time()
+            versions = self.complete.setdefault((job, role), {})
+            steps = {*versions, step}
+            # as with slots: a "future" the primary rewound from (it restored an older step and
+            # saves again) must not outrank what it saves now
+            stale = [s for s in steps if s > newest] if newest is not None else []
+            stale += sorted(s for s in steps if s not in stale)[:-KEEP_VERSIONS]
+            stale = [s for s in stale if s != step]  # what was just asked for stays (a restore may want an older step)
             recorded = time.perf_counter()
             entry = encode(r.index_entry())  # once, for the index and the sidecar
-            self.index.put(_key(job, role, step), entry)
+            # the index forgets what this replaces in the same transaction, before their files go:
+            # a crash leaves no entry for a deleted file
+            self.index.put(_key(job, role, step), entry, replacing=(_key(job, role, s) for s in stale))
             indexed = time.perf_counter()
             write_sidecar(self.root / r.path, entry)  # what a rebuild of a lost index adopts (after verifying it)
             self.finish_parts.add("index", indexed - recorded)
             self.finish_parts.add("sidecar", time.perf_counter() - indexed)
-            versions = self.complete.setdefault((job, role), {})
             versions[step] = r
-            # as with slots: a "future" the primary rewound from (it restored an older step and
-            # saves again) must not outrank what it saves now
-            stale = [s for s in versions if s > newest] if newest is not None else []
-            stale += sorted(s for s in versions if s not in stale)[:-KEEP_VERSIONS]
-            stale = [s for s in stale if s != step]  # what was just asked for stays (a restore may want an older step)
-            if stale:  # the index first: a crash leaves no entry for a deleted file
-                self.index.delete(*(_key(job, role, s) for s in stale))
             for s in stale:
                 self._retire(versions.pop(s))
             self._purge()

@@ -41,6 +41,8 @@ _CONNECT_S = 3.0
 _NO_LOWAT = 0x7FFFFFFF  # the unsent limit lifted: the send buffer's size bounds what is queued
 _SCRATCH = bytearray(256 << 10)  # where the bytes of a refused request go (one event loop: shared)
 _STALL_S = 30.0  # no progress either way for this long: the peer is gone
+_REPLY_BUFFER = 64 << 10
+_LOWAT_MAX = 1 << 20  # a receiver wakes for at least this much of a body (or all that is left of it)
 
 
 class BulkTransport(HttpTransport):
@@ -51,13 +53,14 @@ class BulkTransport(HttpTransport):
         super().__init__(gate, token)
         self._token = token or ""
         self._ports: dict[str, int | None] = {}  # HTTP address → its bulk port (None: it has none)
-        self._conns: dict[tuple[str, int], socket.socket] = {}
+        self._conns: dict[tuple[str, int], _Connection] = {}
+        self._peers: dict[str, tuple[str, int]] = {}  # HTTP address → its bulk (host, port)
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._statics_sent: set[tuple[tuple[str, int], str, str, str]] = set()  # (peer, job, role, digest) it took
 
     async def close(self) -> None:
-        for sock in self._conns.values():
-            sock.close()
+        for conn in self._conns.values():
+            conn.close()
         self._conns.clear()
         await super().close()
 
@@ -70,16 +73,19 @@ class BulkTransport(HttpTransport):
         urgent: Callable[[], bool] = lambda: False,
         maybe_there: bool = False,
     ) -> int:
-        port = await self._bulk_port(base)
-        if port is None:
-            return await super().push(base, shard, source, newest, urgent, maybe_there)
-        peer = (urlsplit(base).hostname or "", port)
+        peer = self._peers.get(base)
+        if peer is None:
+            port = await self._bulk_port(base)
+            if port is None:
+                return await super().push(base, shard, source, newest, urgent, maybe_there)
+            peer = self._peers[base] = (urlsplit(base).hostname or "", port)
         async with self._locks.setdefault(peer, asyncio.Lock()):
             try:
                 return await self._push(peer, shard, source, newest, urgent, maybe_there)
             except PeerError as exc:
-                if exc.unreachable:
-                    self._ports.pop(base, None)  # a restarted daemon may listen elsewhere: ask again
+                if exc.unreachable:  # a restarted daemon may listen elsewhere: ask again
+                    self._ports.pop(base, None)
+                    self._peers.pop(base, None)
                 raise
 
     async def _bulk_port(self, base: str) -> int | None:
@@ -150,10 +156,13 @@ class BulkTransport(HttpTransport):
         urgent: Callable[[], bool] = lambda: False,
     ) -> BulkReply:
         """One request and its reply on the peer's connection (opened if there is none)."""
-        sock = self._conns.get(peer)
+        conn = self._conns.get(peer)
         loop = asyncio.get_running_loop()
-        if sock is None:
-            sock = await self._connect(peer)
+        if conn is None or conn.broken:  # one the peer closed while idle (it restarted) is not tried
+            if conn is not None:
+                conn.close()
+            conn = await self._connect(peer)
+        sock = conn.sock
         try:
             frame = head.pack() + meta
             try:  # a head and its metadata fit the socket buffer: no task, no timer, no wake-up
@@ -164,13 +173,17 @@ class BulkTransport(HttpTransport):
                 await asyncio.wait_for(loop.sock_sendall(sock, memoryview(frame)[sent:]), _STALL_S)
             if shard is not None and head.length:
                 await self._send_file(sock, shard, head.offset, head.offset + head.length, urgent)
-            return await asyncio.wait_for(self._reply(sock), _STALL_S)
+            return await conn.reply()
         except (OSError, EOFError, asyncio.TimeoutError, BulkFrameError, ValueError) as exc:
             self._conns.pop(peer, None)
-            sock.close()  # a request cut off midway leaves the connection unreadable
+            conn.close()  # a request cut off midway leaves the connection unreadable
             raise PeerError(f"bulk push to {peer[0]}:{peer[1]} failed: {exc!r}") from exc
+        except asyncio.CancelledError:  # its reply may still come, and would answer the next request
+            self._conns.pop(peer, None)
+            conn.close()
+            raise
 
-    async def _connect(self, peer: tuple[str, int]) -> socket.socket:
+    async def _connect(self, peer: tuple[str, int]) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             infos = await loop.getaddrinfo(peer[0], peer[1], type=socket.SOCK_STREAM)
@@ -186,8 +199,8 @@ class BulkTransport(HttpTransport):
         except (OSError, asyncio.TimeoutError) as exc:
             sock.close()
             raise PeerError(f"bulk port {peer[0]}:{peer[1]} takes no connection: {exc!r}", unreachable=True) from exc
-        self._conns[peer] = sock
-        return sock
+        conn = self._conns[peer] = _Connection(loop, sock)
+        return conn
 
     async def _send_file(self, sock: socket.socket, shard: LocalShard, start: int, end: int, urgent: Callable[[], bool]) -> None:
         """``sendfile`` from the shard's file, a gate chunk at a time — or all at once while the
@@ -223,10 +236,76 @@ class BulkTransport(HttpTransport):
             if lowat != chunk:
                 sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, chunk)
 
-    async def _reply(self, sock: socket.socket) -> BulkReply:
-        loop = asyncio.get_running_loop()
-        status, n = BulkReply.body_len(await _recv_exactly(loop, sock, REPLY_HEAD_SIZE))
-        return BulkReply.unpack(status, await _recv_exactly(loop, sock, n))
+
+class _Connection:
+    """A peer's bulk connection, its replies read by a reader that stays registered with the
+    loop. (uvloop's ``sock_recv_into`` makes and drops a poll handle on every call: about ten
+    syscalls a reply, twice a push.) One request is outstanding at a time (the peer's lock); a
+    reply that comes early — a refusal while the body is still being sent — waits in ``_buf``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        self.sock, self._loop = sock, loop
+        self._buf = bytearray()
+        self._waiter: asyncio.Future[BulkReply] | None = None
+        self._error: BaseException | None = None
+        loop.add_reader(sock.fileno(), self._readable)
+
+    async def reply(self) -> BulkReply:
+        """The answer to the request just sent (at most ``_STALL_S`` away)."""
+        self._waiter = waiter = self._loop.create_future()
+        self._deliver()
+        if not waiter.done() and self._error is not None:
+            raise self._error
+        return await asyncio.wait_for(waiter, _STALL_S)
+
+    def _readable(self) -> None:
+        try:
+            data = self.sock.recv(_REPLY_BUFFER)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._fail(exc)
+            return
+        if not data:
+            self._fail(EOFError("the peer closed the bulk connection"))
+            return
+        self._buf += data
+        self._deliver()
+
+    def _deliver(self) -> None:
+        if self._waiter is None or self._waiter.done() or len(self._buf) < REPLY_HEAD_SIZE:
+            return
+        try:
+            status, n = BulkReply.body_len(self._buf[:REPLY_HEAD_SIZE])
+            if len(self._buf) < REPLY_HEAD_SIZE + n:
+                return
+            reply = BulkReply.unpack(status, self._buf[REPLY_HEAD_SIZE : REPLY_HEAD_SIZE + n])
+        except (BulkFrameError, ValueError) as exc:
+            self._fail(exc, deliver=False)
+            return
+        del self._buf[: REPLY_HEAD_SIZE + n]
+        self._waiter.set_result(reply)
+
+    @property
+    def broken(self) -> bool:
+        """The peer closed it, or it failed: the next request needs a new connection."""
+        return self._error is not None
+
+    def _fail(self, exc: BaseException, deliver: bool = True) -> None:
+        self._error = exc
+        self._loop.remove_reader(self.sock.fileno())
+        if self._waiter is not None and not self._waiter.done():
+            if deliver:
+                self._deliver()  # a whole reply that came before the close still counts
+            if not self._waiter.done():
+                self._waiter.set_exception(exc)
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            self._loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.cancel()
 
 
 async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
@@ -241,18 +320,6 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         await asyncio.wait_for(ready, _STALL_S)
     finally:
         loop.remove_writer(sock.fileno())
-
-
-async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytearray:
-    """``n`` bytes (the caller bounds the wait)."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
-        if k == 0:
-            raise EOFError("the peer closed the bulk connection")
-        got += k
-    return buf
 
 
 # --- the receiver ------------------------------------------------------------------------------
@@ -309,9 +376,24 @@ class _Receiver(asyncio.BufferedProtocol):
         self._discard = 0  # bytes of a refused request still to read past
         self._then: BulkReply | None = None  # the answer once they are
         self._task: asyncio.Task[None] | None = None
+        self._sock: Any = None  # the connection's socket, for SO_RCVLOWAT (None: not settable)
+        self._lowat = 1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is one in all but name
+        self._sock = transport.get_extra_info("socket")
+        self._lowat = 1
+
+    def _wake_after(self, nbytes: int) -> None:
+        """Be woken only once ``nbytes`` have arrived (``SO_RCVLOWAT``): a body then lands in a
+        few large reads instead of one per segment burst, each a wake-up of this daemon."""
+        nbytes = max(1, min(nbytes, _LOWAT_MAX))
+        if nbytes != self._lowat and self._sock is not None:
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+                self._lowat = nbytes
+            except OSError:
+                self._sock = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is not None:
@@ -329,6 +411,7 @@ class _Receiver(asyncio.BufferedProtocol):
         if self._body is not None:
             self.server.replicas.landed(self._inc, self._body[self._pos : self._pos + nbytes])
             self._pos += nbytes
+            self._wake_after(self._end - self._pos)
             if self._pos == self._end:
                 self._decide(self._complete())
             return
@@ -406,6 +489,7 @@ class _Receiver(asyncio.BufferedProtocol):
             self._skip(BulkReply(409, inc.received, detail=f"{inc.received} bytes of {meta.role} step {meta.step} are here; resume"))
             return
         self._inc, self._body, self._pos, self._end, self._meta = inc, body, head.offset, head.offset + head.length, meta
+        self._wake_after(head.length)
         if not head.length:
             await self._complete()
             return

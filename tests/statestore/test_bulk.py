@@ -84,6 +84,22 @@ def test_a_cut_push_resumes_from_what_landed_and_counts_only_once_verified(clust
     assert shard.content == DATA
 
 
+def test_a_cut_large_push_counts_every_byte_that_arrived(cluster: LocalCluster) -> None:
+    """A receiver is woken for a MiB of a body at a time (SO_RCVLOWAT), not every segment: the
+    bytes after the last whole MiB, followed by the sender's death, must still land and count."""
+    start_ring(cluster, 1)
+    big = DATA * 12  # 3 MiB: more than one wake-up's worth
+    cut = 1_800_000
+    with _connect(cluster, 0) as s:
+        s.sendall(BulkHead(Op.PUSH, len(_meta(7, big)), 0, len(big)).pack() + _meta(7, big) + big[:cut])
+    until(lambda: any(r.get("received") == cut for r in daemon_state(cluster, 0)["replicas"]), what="the cut push's bytes landed")
+    with _connect(cluster, 0) as s:
+        done = _ask(s, Op.PUSH, _meta(7, big), cut, big[cut:])
+        assert (done.status, done.received, done.checksum) == (200, len(big), xxhash.xxh3_64_hexdigest(big))
+    shard = httpx.get(cluster.daemons[0].url + f"/v1/state/job/{ROLE}/7/shard", headers=AUTH)
+    assert shard.content == big
+
+
 def test_a_static_header_part_crosses_once_per_role_and_survives_a_restart(cluster: LocalCluster) -> None:
     """The header's static part (tensors, storages, layout) comes with a role's first push; later
     pushes name its digest and carry only the tree. A digest the receiver does not know is 428,
