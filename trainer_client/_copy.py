@@ -60,5 +60,13 @@ def copy_all(pairs: Pairs, pool: ThreadPoolExecutor | None, parts: int) -> None:
 
 def _run(pairs: Pairs) -> None:
     with torch.no_grad():  # grad mode is per thread: a restore may write into parameters
+        if _foreach_copy is not None and len(pairs) > 1:
+            # one call for the list: one by one, a state of many small tensors pays Python and
+            # dispatch per tensor (the example GPT's 113 tensors, 2 MiB: 170 → 108 µs a copy)
+            _foreach_copy([d for d, _ in pairs], [s for _, s in pairs])
+            return
         for d, s in pairs:
             d.copy_(s)
+
+
+_foreach_copy = getattr(torch, "_foreach_copy_", None)  # d.copy_(s) per pair, as one call (torch >= 2.2)
