@@ -27,6 +27,7 @@ does when its rendezvous host is lost. Writes bench/results/recovery_spare.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import re
@@ -162,8 +163,11 @@ class System(LocalJobs):
             kills = 0
             while any(n.running() for n in nodes):
                 if fail and kills < failures and time.time() - first >= (kills + 1) * interval_s:
-                    os.kill(self.victim(job), signal.SIGKILL)
-                    kills += 1
+                    # the newest worker found may be the last victim, its replacement not yet
+                    # announced: look again next time round
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self.victim(job), signal.SIGKILL)
+                        kills += 1
                 time.sleep(0.05)
             self.wait_done(nodes)
             last = max(e["t"] for e in self.events(job) if e["kind"] == "saved")

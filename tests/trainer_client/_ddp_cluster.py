@@ -86,4 +86,10 @@ def last_step(out: Path, rank: int) -> int:
 
 
 def losses(out: Path, rank: int) -> dict[int, str]:
-    return {int(s): v for s, v in (line.split() for line in (out / f"losses-{rank}.txt").read_text().splitlines())}
+    """Each step's loss as written by ``rank``; a step run again after a restore must have
+    written the same loss both times."""
+    seen: dict[int, str] = {}
+    for line in (out / f"losses-{rank}.txt").read_text().splitlines():
+        step, value = line.split()
+        assert seen.setdefault(int(step), value) == value, f"rank {rank} step {step}: loss {value} after {seen[int(step)]}"
+    return seen

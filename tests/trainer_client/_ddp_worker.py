@@ -70,8 +70,10 @@ def main() -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            ck.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "loader": loader.state_dict()})
+            # the loss first: a kill between the two would otherwise leave a committed step whose
+            # loss no file holds (the run resumes after it); one re-run instead writes it twice
             losses.write(f"{step} {loss.item().hex()}\n")
+            ck.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "loader": loader.state_dict()})
             if step == steps - 1:
                 break
     ck.close()
