@@ -13,6 +13,8 @@ A sender learns a peer's bulk port from ``GET /v1/transfer`` on its HTTP address
 gate a chunk at a time, as HTTP pushes do, and ``TCP_NOTSENT_LOWAT`` keeps what sits unsent in the
 socket at about a chunk, so TRAIN never starts behind much STATE — except a push a commit waits
 for, which goes whole. A header's static part crosses once per role and peer; then its digest.
+A sender reads replies with a reader that stays registered on its loop; a receiver asks to be
+woken for a MiB of a body at a time (``SO_RCVLOWAT``), not for every burst of segments.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ _CONNECT_S = 3.0
 _NO_LOWAT = 0x7FFFFFFF  # the unsent limit lifted: the send buffer's size bounds what is queued
 _SCRATCH = bytearray(256 << 10)  # where the bytes of a refused request go (one event loop: shared)
 _STALL_S = 30.0  # no progress either way for this long: the peer is gone
-_REPLY_BUFFER = 64 << 10
+_REPLY_BUFFER = 64 << 10  # a reply is ~100 bytes: one read takes whatever has come
 _LOWAT_MAX = 1 << 20  # a receiver wakes for at least this much of a body (or all that is left of it)
 
 
