@@ -14,12 +14,14 @@ import pytest
 REPO = Path(__file__).parents[2]
 
 
-def _ours() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("ffplane-local-*")}
+def _left_behind() -> set[str]:
+    """Local-cluster folders (``ffplane-local-<maker's pid>-<node>``) whose maker has exited: the
+    demo's, once it is done, if it leaked any. A live process's (a soak beside this test) are not."""
+    return {p.name for p in Path("/dev/shm").glob("ffplane-local-*") if not Path("/proc", p.name.split("-")[2]).exists()}
 
 
 def test_the_demo_recovers_both_failures_bitwise_and_cleans_up(tmp_path: Path) -> None:
-    before, work_before = _ours(), set(Path(tempfile.gettempdir()).glob("ffplane-demo-*"))
+    before, work_before = _left_behind(), set(Path(tempfile.gettempdir()).glob("ffplane-demo-*"))
     out = tmp_path / "demo"
     r = subprocess.run(
         [sys.executable, "-m", "ffplane_harness.demo", "demo", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600
@@ -34,7 +36,7 @@ def test_the_demo_recovers_both_failures_bitwise_and_cleans_up(tmp_path: Path) -
         assert t["seconds"]["restored"] <= t["seconds"]["data_ready"] <= t["seconds"]["first_step"]
     assert (out / "timeline.png").stat().st_size > 0 and (out / "loss.png").stat().st_size > 0
     assert "final weights bitwise-equal to the failure-free run: True" in r.stdout
-    assert _ours() == before  # every shared-memory folder it made is gone
+    assert _left_behind() <= before  # every shared-memory folder it made is gone
     assert set(Path(tempfile.gettempdir()).glob("ffplane-demo-*")) == work_before  # its work folder too
 
 
