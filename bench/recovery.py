@@ -85,9 +85,10 @@ class System(LocalJobs):
             time.sleep(0.05)
 
     # --- failures ------------------------------------------------------------------------
-    def victim(self, job: str) -> int:
-        """A worker of ``job`` on the first node, to SIGKILL."""
-        return self.worker_pid(f"n{self.placement[0]}", time.time() - 30, job)
+    def victim(self, job: str, since: float | None = None) -> int:
+        """A worker of ``job`` on the first node that has saved since ``since`` (default: the
+        last 30 s), to SIGKILL."""
+        return self.worker_pid(f"n{self.placement[0]}", time.time() - 30 if since is None else since, job)
 
     def lose_node(self, job: str, nodes: list[TorchrunNode]) -> None:
         """Node 1 is gone; a replacement node joins (on ffplane: an empty daemon, registered)."""
@@ -159,14 +160,15 @@ class System(LocalJobs):
             started = time.time()
             nodes = self.launch_job(job, self.placement)
             self.wait_steps(job, nodes, -1, started)
-            first = time.time()
+            first = last_kill = time.time()
             kills = 0
             while any(n.running() for n in nodes):
                 if fail and kills < failures and time.time() - first >= (kills + 1) * interval_s:
-                    # the newest worker found may be the last victim, its replacement not yet
-                    # announced: look again next time round
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(self.victim(job), signal.SIGKILL)
+                    # a worker that saved since the last kill: not the last victim (dead, or a
+                    # zombie a kill would count) before its replacement has saved; else look again
+                    with contextlib.suppress(StopIteration, ProcessLookupError):
+                        os.kill(self.victim(job, since=last_kill), signal.SIGKILL)
+                        last_kill = time.time()
                         kills += 1
                 time.sleep(0.05)
             self.wait_done(nodes)

@@ -122,6 +122,11 @@ class ReplicaStore:
             part.unlink(missing_ok=True)
         for spare in self.root.glob(f"*/replica/*/{SPARE}"):
             spare.unlink(missing_ok=True)
+        held = {r.path for versions in self.complete.values() for r in versions.values()}
+        for f in self.root.glob("*/replica/*/*.bin"):  # a crash between an index change and the files it describes
+            if str(f.relative_to(self.root)) not in held:
+                f.unlink(missing_ok=True)
+                remove_sidecar(f)
         return n
 
     def held_bytes(self) -> int:

@@ -20,6 +20,7 @@ woken for a MiB of a body at a time (``SO_RCVLOWAT``), not for every burst of se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -160,8 +161,9 @@ class BulkTransport(HttpTransport):
         """One request and its reply on the peer's connection (opened if there is none)."""
         conn = self._conns.get(peer)
         loop = asyncio.get_running_loop()
-        if conn is None or conn.broken:  # one the peer closed while idle (it restarted) is not tried
+        if conn is None or not conn.usable():  # one the peer closed while idle (it restarted) is not tried
             if conn is not None:
+                self._conns.pop(peer, None)
                 conn.close()
             conn = await self._connect(peer)
         sock = conn.sock
@@ -180,7 +182,7 @@ class BulkTransport(HttpTransport):
             self._conns.pop(peer, None)
             conn.close()  # a request cut off midway leaves the connection unreadable
             raise PeerError(f"bulk push to {peer[0]}:{peer[1]} failed: {exc!r}") from exc
-        except asyncio.CancelledError:  # its reply may still come, and would answer the next request
+        except BaseException:  # cancelled, or a bug: the request's reply may still come and answer the next one
             self._conns.pop(peer, None)
             conn.close()
             raise
@@ -282,16 +284,24 @@ class _Connection:
             if len(self._buf) < REPLY_HEAD_SIZE + n:
                 return
             reply = BulkReply.unpack(status, self._buf[REPLY_HEAD_SIZE : REPLY_HEAD_SIZE + n])
-        except (BulkFrameError, ValueError) as exc:
-            self._fail(exc, deliver=False)
+        except Exception as exc:  # noqa: BLE001 - a reply we cannot read ends the connection, whatever is wrong with it
+            self._fail(BulkFrameError(f"unreadable bulk reply: {exc!r}"), deliver=False)
             return
         del self._buf[: REPLY_HEAD_SIZE + n]
         self._waiter.set_result(reply)
 
-    @property
-    def broken(self) -> bool:
-        """The peer closed it, or it failed: the next request needs a new connection."""
-        return self._error is not None
+    def usable(self) -> bool:
+        """Whether the next request may go on this connection: not failed, not closed by the peer
+        (its reader may not have run since), and nothing unasked-for waiting on it."""
+        if self._error is not None or self._buf:
+            return False
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return True  # open, and quiet
+        except OSError:
+            return False
+        return False  # b"": the peer closed it; a byte: something nobody asked for
 
     def _fail(self, exc: BaseException, deliver: bool = True) -> None:
         self._error = exc
@@ -380,22 +390,31 @@ class _Receiver(asyncio.BufferedProtocol):
         self._task: asyncio.Task[None] | None = None
         self._sock: Any = None  # the connection's socket, for SO_RCVLOWAT (None: not settable)
         self._lowat = 1
+        self._rcvbuf = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is one in all but name
         self._sock = transport.get_extra_info("socket")
         self._lowat = 1
 
-    def _wake_after(self, nbytes: int) -> None:
+    def _wake_after(self, nbytes: int, start: bool = False) -> None:
         """Be woken only once ``nbytes`` have arrived (``SO_RCVLOWAT``): a body then lands in a
-        few large reads instead of one per segment burst, each a wake-up of this daemon."""
-        nbytes = max(1, min(nbytes, _LOWAT_MAX))
-        if nbytes != self._lowat and self._sock is not None:
-            try:
+        few large reads instead of one per segment burst, each a wake-up of this daemon. At most a
+        quarter of the receive buffer as it is (``start``: read again): a larger mark would make
+        the kernel grow the buffer and clamp the TCP window to the mark, on every link."""
+        if self._sock is None:
+            return
+        try:
+            if start:
+                self._rcvbuf = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            nbytes = max(1, min(nbytes, _LOWAT_MAX, self._rcvbuf // 4))
+            if nbytes != self._lowat:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
                 self._lowat = nbytes
-            except OSError:
-                self._sock = None
+        except OSError:  # the connection is going; or the option is refused: wake for every byte
+            with contextlib.suppress(OSError):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            self._sock, self._lowat = None, 1
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is not None:
@@ -491,7 +510,7 @@ class _Receiver(asyncio.BufferedProtocol):
             self._skip(BulkReply(409, inc.received, detail=f"{inc.received} bytes of {meta.role} step {meta.step} are here; resume"))
             return
         self._inc, self._body, self._pos, self._end, self._meta = inc, body, head.offset, head.offset + head.length, meta
-        self._wake_after(head.length)
+        self._wake_after(head.length, start=True)
         if not head.length:
             await self._complete()
             return

@@ -13,7 +13,7 @@ import pytest
 import uvloop
 
 from statestore.transport.bulk import _Connection
-from statestore.transport.bulk_wire import BulkReply
+from statestore.transport.bulk_wire import BulkFrameError, BulkReply
 
 
 def _on_uvloop(body: Callable[[_Connection, socket.socket], Awaitable[None]]) -> None:
@@ -30,7 +30,7 @@ def _on_uvloop(body: Callable[[_Connection, socket.socket], Awaitable[None]]) ->
     uvloop.run(main())
 
 
-def test_a_reply_in_pieces_and_one_that_came_early_arrive_whole_and_in_order() -> None:
+def test_a_reply_in_pieces_and_two_read_at_once_arrive_whole_and_in_order() -> None:
     async def body(conn: _Connection, peer: socket.socket) -> None:
         first = BulkReply(200, 4096, "0123abcd").pack()
         peer.sendall(first[:3])
@@ -39,22 +39,23 @@ def test_a_reply_in_pieces_and_one_that_came_early_arrive_whole_and_in_order() -
         assert not waiting.done()  # half a head is no reply
         peer.sendall(first[3:])
         assert await waiting == BulkReply(200, 4096, "0123abcd")
-        # a refusal sent while the request's body was still going out, and the next request's answer
+        # two answers read at once: each goes to its own request
         peer.sendall(BulkReply(401, detail="no token").pack() + BulkReply(200, 7).pack())
         await asyncio.sleep(0.05)
         assert await conn.reply() == BulkReply(401, detail="no token")
         assert await conn.reply() == BulkReply(200, 7)
-        assert not conn.broken
+        assert conn.usable()
 
     _on_uvloop(body)
 
 
-def test_a_reply_before_the_peer_closes_counts_and_then_the_connection_is_broken() -> None:
+def test_a_reply_before_the_peer_closes_counts_and_then_the_connection_is_not_reused() -> None:
     async def body(conn: _Connection, peer: socket.socket) -> None:
+        assert conn.usable()
         peer.sendall(BulkReply(413, detail="too large").pack())
         peer.shutdown(socket.SHUT_WR)
         await asyncio.sleep(0.05)
-        assert conn.broken  # the next request opens a new connection
+        assert not conn.usable()  # the next request opens a new connection
         assert await conn.reply() == BulkReply(413, detail="too large")
         with pytest.raises(EOFError):
             await conn.reply()
@@ -70,5 +71,25 @@ def test_a_close_while_a_reply_is_awaited_raises_instead_of_waiting() -> None:
         peer.shutdown(socket.SHUT_WR)
         with pytest.raises(EOFError):
             await asyncio.wait_for(waiting, 5)
+
+    _on_uvloop(body)
+
+
+def test_a_connection_the_peer_closed_is_not_reused_even_before_its_reader_ran() -> None:
+    async def body(conn: _Connection, peer: socket.socket) -> None:
+        peer.shutdown(socket.SHUT_WR)  # no loop turn between this and the check
+        assert not conn.usable()
+
+    _on_uvloop(body)
+
+
+def test_an_unreadable_reply_fails_the_request_instead_of_leaving_it_waiting() -> None:
+    async def body(conn: _Connection, peer: socket.socket) -> None:
+        waiting = asyncio.ensure_future(conn.reply())
+        body = b"[1, 2]"  # JSON, but not a reply
+        peer.sendall(BulkReply(200).pack()[:2] + len(body).to_bytes(4, "little") + body)
+        with pytest.raises(BulkFrameError):
+            await asyncio.wait_for(waiting, 5)
+        assert not conn.usable()
 
     _on_uvloop(body)
