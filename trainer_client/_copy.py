@@ -14,6 +14,7 @@ import torch
 
 PARALLEL_MIN_BYTES = 8 << 20  # below this, handing work to threads costs more than it saves
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source)
+_foreach_copy = getattr(torch, "_foreach_copy_", None)  # d.copy_(s) per pair, as one call (torch >= 2.2)
 
 
 def _flat(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -70,6 +71,3 @@ def _run(pairs: Pairs) -> None:
                 pass  # a device or tensor subclass without the list op: pair by pair (copying again is harmless)
         for d, s in pairs:
             d.copy_(s)
-
-
-_foreach_copy = getattr(torch, "_foreach_copy_", None)  # d.copy_(s) per pair, as one call (torch >= 2.2)

@@ -395,7 +395,6 @@ class _Receiver(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is one in all but name
         self._sock = transport.get_extra_info("socket")
-        self._lowat = 1
 
     def _wake_after(self, nbytes: int, start: bool = False) -> None:
         """Be woken only once ``nbytes`` have arrived (``SO_RCVLOWAT``): a body then lands in a
