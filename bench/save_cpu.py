@@ -22,7 +22,8 @@ node 0. Cases:
 
 The floor, per case, in the same run: one copy of the same bytes into pre-faulted memory, one
 XXH3 of them, and a bare loopback TCP transfer of them (``sendfile`` from a tmpfs file into a
-pre-faulted buffer, both ends' CPU) — what a replicated save cannot avoid. Beside it, for the large
+pre-faulted buffer, both ends' CPU) — what a replicated save cannot avoid; the 4 MiB case's right
+after each repeat of its saves and over as many transfers. Beside it, for the large
 cases, the receiving end alone into a tmpfs file made afresh (``receive_fresh_file``) and into one
 whose pages exist (``receive_reused_file``): why a replica's file is reused. Targets: ≤ 1.5x the
 floor at 1 GiB, ≤ 2x at 4 MiB. Results: ``bench/results/save_cpu.json``.
@@ -137,6 +138,11 @@ def _tcp_s(nbytes: int, times: int, where: Path, into: str = "buffer") -> tuple[
         s.close()
     src.unlink()
     return tx / times, rx_cpu[0] / times
+
+
+def _floor_s(nbytes: int, times: int) -> float:
+    """CPU seconds of the floor for one save of ``nbytes``: copy + XXH3 + both ends of a TCP transfer."""
+    return _copy_hash_s(nbytes, times) + sum(_tcp_s(nbytes, times, Path("/dev/shm")))
 
 
 _ECHO = """
@@ -303,6 +309,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             for k, v in _small(ck, loop, pids, args.saves, step, args.gap_ms / 1e3).items():
                                 samples.setdefault(f"cnn_{k}", []).append(v)
                             step += args.saves + 1
+                            # right after the saves it is set beside, and over as many of them: a
+                            # 4 MiB transfer's CPU swings with where the scheduler puts its two
+                            # ends (50 transfers, measured after every case: 1.4-3.0 ms a save)
+                            samples.setdefault("cnn_floor_ms", []).append(_floor_s(sizes[case], args.saves) * 1e3)
                             samples.setdefault("round_trip_us", []).append(_daemon_ping_us(cluster.socket(0), 2000))
                             samples.setdefault("round_trip_floor_us", []).append(_ping_pong_us(2000, work))
                         parts["commit"] = _get(cluster, 0)["commit_parts"]
@@ -325,18 +335,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 finally:
                     ck.close()
         for case, nbytes in sizes.items():
-            floor = []
-            for _ in range(args.repeats):
-                times = 1 if nbytes >= 256 << 20 else 50
-                floor.append(_copy_hash_s(nbytes, times) + sum(_tcp_s(nbytes, times, Path("/dev/shm"))))
-                if case != "cnn":  # what receiving into a new tmpfs file costs against one whose pages exist
-                    for into in ("fresh", "reused"):
-                        rx = _tcp_s(nbytes, times, Path("/dev/shm"), into)[1]
-                        samples.setdefault(f"{case}mib_receive_{into}_file_s_per_gib", []).append(rx / (nbytes / GIB))
             if case == "cnn":
-                samples["cnn_floor_ms"] = [f * 1e3 for f in floor]
-            else:
-                samples[f"{case}mib_floor_s_per_gib"] = [f / (nbytes / GIB) for f in floor]
+                continue  # its floor was measured beside its saves
+            for _ in range(args.repeats):
+                floor = _floor_s(nbytes, 1)
+                samples.setdefault(f"{case}mib_floor_s_per_gib", []).append(floor / (nbytes / GIB))
+                for into in ("fresh", "reused"):  # what receiving into a new tmpfs file costs against one whose pages exist
+                    rx = _tcp_s(nbytes, 1, Path("/dev/shm"), into)[1]
+                    samples.setdefault(f"{case}mib_receive_{into}_file_s_per_gib", []).append(rx / (nbytes / GIB))
     figures = {k: summary(v) for k, v in samples.items()}
     checks: dict[str, Any] = {}
     for case in sizes:
