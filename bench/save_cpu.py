@@ -1,7 +1,7 @@
 """The CPU one ``Checkpointer.save`` costs the machine — the save, its commit, the push to the ring
 successor and the receive there — by process, against its floor measured in the same run.
 
-    python bench/save_cpu.py                          # 4 MiB (600 saves), 256 MiB and 1 GiB per role, 3 repeats (~4 min)
+    python bench/save_cpu.py                          # 4 MiB (600 saves), FSDP2 (100), 256 MiB and 1 GiB per role, 3 repeats (~3 min)
     python bench/save_cpu.py --cases cnn --saves 20 --repeats 1   # smoke size
     python bench/save_cpu.py --transport http         # the pushes over HTTP (a daemon with --bulk-port -1)
 
@@ -16,14 +16,16 @@ node 0. Cases:
   ``receiver_ms`` (node 1's daemon); ``total_ms`` their sum. torch's intra-op threads are
   reported apart (``torch_threads_ms``) and not in the total: they spin-wait after every
   parallel region, which /proc cannot tell apart from work.
+* ``fsdp2`` — the same figures for an FSDP2 state of 1,200 tensors (900 DTensors, 7.6 MiB; see
+  ``_Fsdp2State``), ``--fsdp2-saves`` saves: what a save costs per tensor.
 * ``256``, ``1024`` — a state of that many MiB (eight float32 tensors); each save waits for its
   commit, whose answer waits for the replica. CPU seconds per GiB by process, every thread:
   ``worker_s_per_gib``, ``sender_s_per_gib``, ``receiver_s_per_gib``, ``total_s_per_gib``.
 
 The floor, per case, in the same run: one copy of the same bytes into pre-faulted memory, one
 XXH3 of them, and a bare loopback TCP transfer of them (``sendfile`` from a tmpfs file into a
-pre-faulted buffer, both ends' CPU) — what a replicated save cannot avoid; the 4 MiB case's right
-after each repeat of its saves and over as many transfers. Beside it, for the large
+pre-faulted buffer, both ends' CPU) — what a replicated save cannot avoid; the per-save cases' right
+after each repeat of their saves and over as many transfers. Beside it, for the large
 cases, the receiving end alone into a tmpfs file made afresh (``receive_fresh_file``) and into one
 whose pages exist (``receive_reused_file``): why a replica's file is reused. Targets: ≤ 1.5x the
 floor at 1 GiB, ≤ 2x at 4 MiB. Results: ``bench/results/save_cpu.json``.
@@ -197,7 +199,7 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def _small(ck: Checkpointer, loop: Loop, pids: tuple[int, int], saves: int, first: int, gap_s: float) -> dict[str, float]:
+def _small(ck: Checkpointer, loop: Loop | _Fsdp2State, pids: tuple[int, int], saves: int, first: int, gap_s: float) -> dict[str, float]:
     me = threading.get_native_id()
     ck.save(first, loop.state(first))
     ck.wait()
@@ -228,6 +230,43 @@ def _small(ck: Checkpointer, loop: Loop, pids: tuple[int, int], saves: int, firs
     per["total_ms"] = sum(per.values())
     per["torch_threads_ms"] = delta(lambda tid: tid not in python_threads) / saves * 1e3
     return per
+
+
+class _Fsdp2State:
+    """The ``fsdp2`` case: 150 ``Linear(64, 64)`` layers, each ``fully_shard``-ed, and AdamW, on a
+    one-rank gloo group; its ``get_state_dict`` is 1,200 tensors (900 DTensors) in 7.6 MiB — a
+    large model's count of tensors at a small size, where a save's cost per tensor shows."""
+
+    def __init__(self, work: Path) -> None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", store=dist.FileStore(str(work / "fsdp2-group"), 1), rank=0, world_size=1)
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(64, 64) for _ in range(150)]
+        self.model = torch.nn.Sequential(*layers)
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def step(self) -> None:
+        self.model(torch.randn(4, 64)).sum().backward()
+        self.opt.step()
+
+    def state(self, step: int) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.opt)
+        return {"model": model, "optim": optim, "step": step}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+_PER_SAVE = ("cnn", "fsdp2")  # the cases measured per save (the others per GiB)
 
 
 def _large_state(mib: int) -> dict[str, torch.Tensor]:
@@ -264,9 +303,10 @@ def _replicated_to(cluster: LocalCluster, step: int) -> bool:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="cnn,256,1024", help="cnn (4 MiB) and/or sizes in MiB per role")
+    p.add_argument("--cases", default="cnn,fsdp2,256,1024", help="cnn (4 MiB), fsdp2 (1,200 tensors) and/or sizes in MiB per role")
     p.add_argument("--saves", type=int, default=600, help="saves per repeat of the cnn case (large cases: 8 of 256 MiB, 3 of 1 GiB)")
-    p.add_argument("--gap-ms", type=float, default=3.0, help="busy-looping between saves (cnn case)")
+    p.add_argument("--fsdp2-saves", type=int, default=100, help="saves per repeat of the fsdp2 case")
+    p.add_argument("--gap-ms", type=float, default=3.0, help="busy-looping between saves (cnn and fsdp2 cases)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transport", choices=["bulk", "http"], default="bulk", help="how node 0 pushes replicas to node 1")
     p.add_argument("--gate-chunk-kb", type=int, default=64, help="the daemons' --gate-chunk-kb (their default)")
@@ -275,10 +315,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     cases = args.cases.split(",")
-    bad = [c for c in cases if c != "cnn" and not c.isdigit()]
+    bad = [c for c in cases if c not in _PER_SAVE and not c.isdigit()]
     if bad:
-        raise SystemExit(f"--cases takes cnn and sizes in MiB, got {bad}")
-    mib = sum(int(c) for c in cases if c != "cnn") + 5  # every case's role keeps its slots to the end
+        raise SystemExit(f"--cases takes {', '.join(_PER_SAVE)} and sizes in MiB, got {bad}")
+    mib = sum(int(c) for c in cases if c not in _PER_SAVE) + 16  # every case's role keeps its slots to the end
     samples: dict[str, list[float]] = {}
     sizes: dict[str, int] = {}
     parts: dict[str, Any] = {}  # the daemons' own account of a commit's and a replica's fixed costs
@@ -297,26 +337,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for case in cases:
                 ck = Checkpointer(f"save-cpu-{case}", socket_path=cluster.socket(0), copy_threads=args.copy_threads)
                 try:
-                    if case == "cnn":
-                        loop = Loop("cnn", 0)
+                    if case in _PER_SAVE:
+                        loop = Loop("cnn", 0) if case == "cnn" else _Fsdp2State(work)
                         loop.step()  # AdamW state exists
                         sizes[case] = sum(encode(loop.state(0)).stream_nbytes.values())
                         for _ in range(WARM_SAVES):  # and node 0 knows its successor
                             ck.save(step, loop.state(step))
                             ck.wait()
                             step += 1
+                        saves = args.saves if case == "cnn" else args.fsdp2_saves
                         for _ in range(args.repeats):
-                            for k, v in _small(ck, loop, pids, args.saves, step, args.gap_ms / 1e3).items():
-                                samples.setdefault(f"cnn_{k}", []).append(v)
-                            step += args.saves + 1
+                            for k, v in _small(ck, loop, pids, saves, step, args.gap_ms / 1e3).items():
+                                samples.setdefault(f"{case}_{k}", []).append(v)
+                            step += saves + 1
                             # right after the saves it is set beside, and over as many of them: a
                             # 4 MiB transfer's CPU swings with where the scheduler puts its two
                             # ends (50 transfers, measured after every case: 1.4-3.0 ms a save)
-                            samples.setdefault("cnn_floor_ms", []).append(_floor_s(sizes[case], args.saves) * 1e3)
-                            samples.setdefault("round_trip_us", []).append(_daemon_ping_us(cluster.socket(0), 2000))
-                            samples.setdefault("round_trip_floor_us", []).append(_ping_pong_us(2000, work))
-                        parts["commit"] = _get(cluster, 0)["commit_parts"]
-                        parts["replica_finish"] = _get(cluster, 1)["replica_parts"]
+                            samples.setdefault(f"{case}_floor_ms", []).append(_floor_s(sizes[case], saves) * 1e3)
+                            if case == "cnn":
+                                samples.setdefault("round_trip_us", []).append(_daemon_ping_us(cluster.socket(0), 2000))
+                                samples.setdefault("round_trip_floor_us", []).append(_ping_pong_us(2000, work))
+                        if case == "cnn":
+                            parts["commit"] = _get(cluster, 0)["commit_parts"]
+                            parts["replica_finish"] = _get(cluster, 1)["replica_parts"]
+                        if isinstance(loop, _Fsdp2State):
+                            loop.close()
                     else:
                         state = _large_state(int(case))
                         sizes[case] = sum(t.numel() * t.element_size() for t in state.values())
@@ -335,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 finally:
                     ck.close()
         for case, nbytes in sizes.items():
-            if case == "cnn":
+            if case in _PER_SAVE:
                 continue  # its floor was measured beside its saves
             for _ in range(args.repeats):
                 floor = _floor_s(nbytes, 1)
@@ -352,6 +397,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "ratio": ratio(figures["round_trip_us"], figures["round_trip_floor_us"]),
                 "target": "(reported: the control socket's ping against a bare Unix-socket ping-pong)",
             }
+        elif case == "fsdp2":
+            checks["fsdp2_total_vs_floor"] = {"ratio": ratio(figures["fsdp2_total_ms"], figures["fsdp2_floor_ms"]), "target": "(reported)"}
         else:
             key = f"{case}mib"
             target = "<= 1.5" if int(case) >= 1024 else "(reported)"
@@ -363,6 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cases": cases,
         "state_bytes": sizes,
         "saves": args.saves,
+        "fsdp2_saves": args.fsdp2_saves,
         "gap_ms": args.gap_ms,
         "repeats": args.repeats,
         "transport": args.transport,
@@ -372,8 +420,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "daemon_parts_us": parts,
     }
     out = write_results(args.out, figures, config, checks, args.results_dir)
-    print_table([(k, v, "") for k, v in figures.items() if k.startswith("cnn")], "CPU ms per save (cnn, 4 MiB)")
-    print_table([(k, v, "") for k, v in figures.items() if not k.startswith("cnn")], "CPU s per GiB saved")
+    for case in _PER_SAVE:
+        print_table([(k, v, "") for k, v in figures.items() if k.startswith(f"{case}_")], f"CPU ms per save ({case})")
+    print_table([(k, v, "") for k, v in figures.items() if not k.startswith(_PER_SAVE)], "CPU s per GiB saved")
     for k, c in checks.items():
         print(f"  {k} {c['ratio']:.2f} (target {c['target']})")
     for k, v in parts.items():

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 
 from statestore.protocol import files
+from trainer_client._collector import paused as collector_paused
 from trainer_client._commit import CommitPipeline
 from trainer_client._copy import copy_all
 from trainer_client._device_copy import CopyInFlight, copy_now, start_copies
@@ -126,6 +127,10 @@ class Checkpointer:
     def _save(self, step: int, state: Any, header: dict[str, Any] | None = None) -> bool:
         """``save``; ``header``: JSON fields for the shard header's static part (the DCP backend's
         catalogue), sent to the daemon only when they change."""
+        with collector_paused():  # the header and slot views it builds are not garbage (trainer_client._collector)
+            return self._save_now(step, state, header)
+
+    def _save_now(self, step: int, state: Any, header: dict[str, Any] | None) -> bool:
         if self._in_flight is not None and not self._in_flight.done() and self.on_busy == "skip":
             self.skipped += 1
             return False

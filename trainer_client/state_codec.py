@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dataserver.protocol.errors import FFPlaneError
+from trainer_client._collector import paused as collector_paused
 from trainer_client.razor import Layout
 
 ALIGN = 64  # storage start alignment in the byte stream (cache line; any dtype)
@@ -238,27 +239,42 @@ def encode(
         )  # a TensorRef's fields
         return len(enc.tensors) - 1
 
+    # what a DTensor's mesh and placements say, worked out once per mesh and per placements in
+    # a save (an FSDP2 state has a thousand DTensors on one mesh); shared, never mutated
+    meshes: dict[int, tuple[list[int], list[int], list[int] | None]] = {}
+    placed: dict[Any, list[list[Any]]] = {}
+
     def dtensor(t: Any, path: tuple[str | int, ...], stream: str) -> int:
         """A DTensor is saved as this rank's local part: in the key's stream when every rank of
         the dp group holds the same local part, else private. The same: replicated over each of
         its mesh dimensions that ``layout`` counts as dp (a dimension of another kind — tp,
         dp_shard — separates roles, not dp peers); with no layout from a mesh, over every one."""
-        placements = [_placement(p) for p in t.placements]
+        placements = _placements_of(t.placements, placed)
         mesh = t.device_mesh
-        dp_dims = layout.dp_dims_of(mesh.mesh_dim_names, mesh.ndim) if layout is not None else None
+        known = meshes.get(id(mesh))  # the mesh outlives the save: its id stays its own
+        if known is None:
+            dp_dims = layout.dp_dims_of(mesh.mesh_dim_names, mesh.ndim) if layout is not None else None
+            # coord: where the local part sits (ffplane export places it)
+            known = meshes[id(mesh)] = (list(mesh.shape), list(mesh.get_coordinate() or []), dp_dims)
+        mesh_shape, coord, dp_dims = known
         checked = range(len(placements)) if dp_dims is None else dp_dims
         same = all(placements[i] == ["replicate"] for i in checked)
         ref = tensor(t.to_local(), path, stream if same else "private")
+        # under no_grad the local part of a parameter does not require grad; the DTensor says
+        enc.tensors[ref]["requires_grad"] = t.requires_grad
         enc.tensors[ref]["dtensor"] = {
             "placements": placements,
-            "mesh": list(mesh.shape),
-            "coord": list(mesh.get_coordinate() or []),  # where the local part sits: ffplane export places it
+            "mesh": mesh_shape,
+            "coord": coord,
             "shape": list(t.shape),
             "stride": list(t.stride()),
         }
         return ref
 
-    enc.tree = walk(state, (), "replicated")  # JSON by construction: walk lets nothing else through
+    # The walk reads tensors and never differentiates them. With grad mode on, every DTensor's
+    # to_local() was an autograd call: an FSDP2 state of 1,200 DTensors took 36 ms to encode.
+    with torch.no_grad(), collector_paused():  # see trainer_client._collector
+        enc.tree = walk(state, (), "replicated")  # JSON by construction: walk lets nothing else through
     return enc
 
 
@@ -378,6 +394,17 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     # it costs ~1 s — paid on the first save of every restarted worker when this imported it.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+def _placements_of(placements: tuple[Any, ...], seen: dict[Any, list[list[Any]]]) -> list[list[Any]]:
+    """``_placement`` of each, looked up in ``seen`` (placements are frozen dataclasses)."""
+    try:
+        known = seen.get(placements)
+    except TypeError:  # an unhashable placement of some other kind: worked out each time
+        return [_placement(p) for p in placements]
+    if known is None:
+        known = seen[placements] = [_placement(p) for p in placements]
+    return known
 
 
 def _placement(p: Any) -> list[Any]:

@@ -154,9 +154,11 @@ def test_save_cpu_smoke(tmp_path: Path) -> None:
     from bench import save_cpu
 
     out = save_cpu.main(
-        ["--cases", "cnn,8", "--saves", "10", "--repeats", "1", "--gap-ms", "1", "--results-dir", str(tmp_path), "--out", "sc"]
+        ["--cases", "cnn,fsdp2,8", "--saves", "10", "--fsdp2-saves", "3", "--repeats", "1", "--gap-ms", "1"]
+        + ["--results-dir", str(tmp_path), "--out", "sc"]
     )
     f = out["figures"]
+    assert f["fsdp2_save_ms"]["median"] > 0 and out["targets"]["fsdp2_total_vs_floor"]["ratio"] > 0
     assert f["cnn_total_ms"]["median"] > 0 and f["cnn_floor_ms"]["median"] > 0 and f["cnn_receiver_ms"]["median"] > 0
     assert f["8mib_total_s_per_gib"]["median"] > 0 and f["8mib_floor_s_per_gib"]["median"] > 0
     assert f["round_trip_us"]["median"] > 0 and out["targets"]["round_trip_vs_floor"]["ratio"] > 0

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import gc
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -159,6 +161,50 @@ def test_a_dtensor_is_saved_as_its_local_part_and_comes_back_only_onto_a_mesh(me
     wrong = {**into, "w": DTensor.from_local(torch.zeros(3, 4), mesh, [Replicate()])}
     with pytest.raises(StateError, match="resharding load"):
         decode(header, storages, into=wrong)
+
+
+def test_a_dtensor_parameter_saves_the_same_header_with_grad_mode_on_or_off(mesh) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed.tensor import DTensor, Shard
+
+    # FSDP2's parameters are nn.Parameter(DTensor); the encoder reads their local parts without
+    # autograd, and the header still says the parameter requires grad
+    weight = torch.nn.Parameter(DTensor.from_local(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0)]))
+    moment = DTensor.from_local(torch.zeros(3, 4), mesh, [Shard(0)])
+    state = {"w": weight, "exp_avg": moment, "again": moment}
+    grad_on = encode(state).header()
+    with torch.no_grad():
+        grad_off = encode(state).header()
+    assert grad_on == grad_off
+    assert [t["requires_grad"] for t in grad_on["tensors"]] == [True, False, False]
+    assert [t["dtensor"]["placements"] for t in grad_on["tensors"]] == [[["shard", 0]]] * 3
+
+
+def test_encoding_a_large_state_sets_off_no_garbage_collection_and_leaves_the_collector_as_it_was() -> None:
+    state = {f"t{i}": torch.zeros(1) for i in range(5000)}
+    collections: list[int] = []
+
+    def count(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        assert gc.isenabled()
+        encode(state)
+        # walked with the collector on, 5,000 tensors' containers set off dozens of collections
+        assert len(collections) <= 1, collections
+        assert gc.isenabled()
+        with pytest.raises(StateError):
+            encode({**state, "bad": object()})
+        assert gc.isenabled()  # on again after a refused state too
+        gc.disable()
+        try:
+            encode(state)
+            assert not gc.isenabled()  # a caller's own choice stands
+        finally:
+            gc.enable()
+    finally:
+        gc.callbacks.remove(count)
 
 
 class _Counter:
