@@ -18,7 +18,9 @@ from contextlib import contextmanager
 @contextmanager
 def paused() -> Iterator[None]:
     """No collection inside the block; the collector is on again afterwards if it was before
-    (a caller that turned it off keeps it off). Process-wide: other threads' collections wait too."""
+    (a caller that turned it off keeps it off). Process-wide: other threads' collections wait
+    too, so keep the block to building objects, never a wait; and another thread that turns the
+    collector off or on meanwhile is not coordinated with (a save on DCP's async thread)."""
     was_on = gc.isenabled()
     if was_on:
         gc.disable()

@@ -127,10 +127,6 @@ class Checkpointer:
     def _save(self, step: int, state: Any, header: dict[str, Any] | None = None) -> bool:
         """``save``; ``header``: JSON fields for the shard header's static part (the DCP backend's
         catalogue), sent to the daemon only when they change."""
-        with collector_paused():  # the header and slot views it builds are not garbage (trainer_client._collector)
-            return self._save_now(step, state, header)
-
-    def _save_now(self, step: int, state: Any, header: dict[str, Any] | None) -> bool:
         if self._in_flight is not None and not self._in_flight.done() and self.on_busy == "skip":
             self.skipped += 1
             return False
@@ -143,23 +139,34 @@ class Checkpointer:
             # per-rank state saved as replicated would come back as another rank's
             check_replicated(state, self.private_keys, self.layout, _group())
         started = time.perf_counter()
-        enc = self._encoded = encode(state, self.private_keys, self._encoded, step, self.layout)
-        replicated = enc.stream_nbytes["replicated"]
-        lo, hi = slice_of(replicated, self.layout.dp, self.layout.dp_rank)
-        private = enc.stream_nbytes["private"]
-        nbytes = private + hi - lo
-        slot, reserved, dst = self._commits.take_slot(step, nbytes)
-        static = (
-            enc.static_header()
-            | self._layout_fields
-            | {
-                "private_nbytes": private,
-                "piece": [lo, hi],
-                "unique_nbytes": private + replicated,
-                "lineage": self.lineage,
-            }
-            | (header or {})
-        )
+        # what a save builds per tensor is not garbage (trainer_client._collector); the waits —
+        # for the previous commit above, for a device copy and this commit's post below — stay outside
+        with collector_paused():
+            enc = self._encoded = encode(state, self.private_keys, self._encoded, step, self.layout)
+            replicated = enc.stream_nbytes["replicated"]
+            lo, hi = slice_of(replicated, self.layout.dp, self.layout.dp_rank)
+            private = enc.stream_nbytes["private"]
+            nbytes = private + hi - lo
+            slot, reserved, dst = self._commits.take_slot(step, nbytes)
+            static = (
+                enc.static_header()
+                | self._layout_fields
+                | {
+                    "private_nbytes": private,
+                    "piece": [lo, hi],
+                    "unique_nbytes": private + replicated,
+                    "lineage": self.lineage,
+                }
+                | (header or {})
+            )
+            try:
+                pairs = self._pairs(dst, enc, lo, hi, private)
+                if any(s.is_cuda for _, s in pairs):
+                    self._commits.pin(slot)  # once per slot: device → slot copies run asynchronously
+                flight = start_copies(pairs, self._copy, self._background_pool() if self.overlapped else None)
+            except BaseException:
+                self._commits.abort(slot)
+                raise
 
         def commit(flight: CopyInFlight) -> None:
             """Once the bytes are in the slot: the commit goes to the daemon (or the slot back)."""
@@ -172,14 +179,6 @@ class Checkpointer:
                 self.last_save_block_s = time.perf_counter() - started
             self._commits.post(step, slot, reserved, nbytes, enc.tree_json(), static, self.last_save_block_s)
 
-        try:
-            pairs = self._pairs(dst, enc, lo, hi, private)
-            if any(s.is_cuda for _, s in pairs):
-                self._commits.pin(slot)  # once per slot: device → slot copies run asynchronously
-            flight = start_copies(pairs, self._copy, self._background_pool() if self.overlapped else None)
-        except BaseException:
-            self._commits.abort(slot)
-            raise
         if self.overlapped:
             self.last_save_block_s = time.perf_counter() - started  # the copies queued, not done
             # on the host copy's thread, after it: the commit follows the last byte
