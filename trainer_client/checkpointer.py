@@ -139,16 +139,15 @@ class Checkpointer:
             # per-rank state saved as replicated would come back as another rank's
             check_replicated(state, self.private_keys, self.layout, _group())
         started = time.perf_counter()
-        enc = self._encoded = encode(state, self.private_keys, self._encoded, step, self.layout)
-        replicated = enc.stream_nbytes["replicated"]
-        lo, hi = slice_of(replicated, self.layout.dp, self.layout.dp_rank)
-        private = enc.stream_nbytes["private"]
-        nbytes = private + hi - lo
-        slot, reserved, dst = self._commits.take_slot(step, nbytes)
-        # what a save builds per tensor is not garbage (trainer_client._collector: the encode holds
-        # it off too); the waits — for the previous commit and a slot above, for a device copy and
-        # this commit's post below — stay outside
+        # what a save builds per tensor is not garbage (trainer_client._collector); the waits —
+        # for the previous commit above, for a device copy and this commit's post below — stay outside
         with collector_paused():
+            enc = self._encoded = encode(state, self.private_keys, self._encoded, step, self.layout)
+            replicated = enc.stream_nbytes["replicated"]
+            lo, hi = slice_of(replicated, self.layout.dp, self.layout.dp_rank)
+            private = enc.stream_nbytes["private"]
+            nbytes = private + hi - lo
+            slot, reserved, dst = self._commits.take_slot(step, nbytes)
             static = (
                 enc.static_header()
                 | self._layout_fields
