@@ -272,8 +272,8 @@ def encode(
         return ref
 
     # The walk reads tensors and never differentiates them. With grad mode on, every DTensor's
-    # to_local() was an autograd call: an FSDP2 state of 1,200 DTensors took 36 ms to encode.
-    # (A Stateful leaf's state_dict() runs under no_grad too.)
+    # to_local() was an autograd call, the most of an FSDP2 state's encode (bench/save_cpu.py's
+    # fsdp2 case). A Stateful leaf's state_dict() runs under no_grad too.
     with torch.no_grad(), collector_paused():  # see trainer_client._collector
         enc.tree = walk(state, (), "replicated")  # JSON by construction: walk lets nothing else through
     return enc
