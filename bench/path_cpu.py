@@ -41,7 +41,7 @@ from trainer_client import DataLoader  # noqa: E402
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = reader_bench_parser(__doc__ or "", 300, "steps read per repeat", "path_cpu")
-    parser.add_argument("--fetch-steps", type=int, default=4, help="the daemon's --fetch-steps (runs apply to steps of at most 256 KiB)")
+    parser.add_argument("--fetch-steps", type=int, default=16, help="the daemon's --fetch-steps (runs apply to steps of at most 256 KiB)")
     args = parser.parse_args(argv)
     ds_dir = reader_bench_dataset(args)
     step_bytes = args.batch * args.seq * 4

@@ -27,9 +27,7 @@ class DaemonConfig:
     window: int = 4  # steps prefetched ahead of the slowest local reader of a dp rank
     keep_consumed: int = 2  # consumed steps kept for replay after a restore
     fetch_concurrency: int = 4  # HTTP fetches in flight across all dp ranks (4 measured best)
-    fetch_steps: int = (
-        4  # small steps (a few KiB: tokens) prefetched this many per request, split into their files here; 1 = one per request
-    )
+    fetch_steps: int = 16  # small steps (≤ 256 KiB: tokens) prefetched this many per request, split into files here; 1 = one each
     fetch_retry_s: float = 30.0  # how long a waiting reader's fetch is retried on 5xx/unreachable
     durable_dir: Path | None = None  # durable tier (safetensors + JSON), off unless set
     durable_every: int = 0  # copy committed shards there every N steps; 0 = off

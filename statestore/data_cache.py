@@ -283,8 +283,7 @@ class DataCache:
         """The consecutive missing steps from ``step`` one request fetches: up to ``fetch_steps``,
         reaching at most ``fetch_steps - 1`` past the window (so in a steady run each request
         brings ``fetch_steps`` new steps instead of the one the window just gained)."""
-        # past the window by less than eviction's reach (``_evict``: ``window`` past it)
-        end = min(step + self.config.fetch_steps, window_end + min(self.config.fetch_steps - 1, self.config.window))
+        end = min(step + self.config.fetch_steps, window_end + self.config.fetch_steps - 1)
         if stream.end_step is not None:
             end = min(end, stream.end_step)
         run = [step]
@@ -584,7 +583,10 @@ class DataCache:
         if win is None:
             return
         floor = win[0] - self.config.keep_consumed
-        old = [s for s in stream.ready if s < floor or s >= win[1] + self.config.window]
+        # past the window by more than a prefetch reaches (a window, or a run's fetch_steps - 1):
+        # left by a reader that jumped back (a restore), never read in this pass
+        reach = max(self.config.window, self.config.fetch_steps - 1)
+        old = [s for s in stream.ready if s < floor or s >= win[1] + reach]
         for step in old:
             cached = stream.ready.pop(step)
             shm.unlink(cached.path)  # readers holding a mapping keep their pages

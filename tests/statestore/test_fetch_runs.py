@@ -3,6 +3,7 @@ same bytes a request for that step alone returns."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,3 +80,23 @@ def test_small_steps_arrive_in_runs_byte_for_byte_as_single_fetches(
     # that outran the prefetch, and the runs past the end)
     assert stream["fetched"] >= 30 and stream["requests"] < stream["fetched"], stream
     assert stream["end_step"] == 30  # the run past the end was refused, and its steps alone found where it is
+
+
+def test_a_run_reaches_fetch_steps_past_the_window_not_only_a_window(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    # runs of 16 behind a window of 4: a request brings 16 new steps. When a run could reach only
+    # a window past the window, a steady reader got ~5 steps a request, and the data server's
+    # per-request CPU was paid 3x as often (bench/step_cost.py's data server column). The job
+    # runs on past what is read, so no run meets its end (that one is fetched step by step).
+    create_job(dataserver, dp=1, batch_per_rank=8, max_steps=1000)
+    daemon = start_daemon("--fetch-steps", "16", "--window", "4")
+    loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", end_step=160)
+    served = 0
+    for _ in loader:
+        served += 1
+        time.sleep(0.005)  # a reader that computes: the prefetch keeps ahead of it
+    loader.close()
+    assert served == 160
+    stream = httpx.get(daemon.url + "/v1/cache").json()["streams"][0]
+    assert stream["fetched"] >= 160 and stream["requests"] <= stream["fetched"] // 8, stream
