@@ -55,12 +55,16 @@ class _Slot:
         self.path = path
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned: Registration | None = None  # registered for CUDA copies on the first one
+        # the last save into this slot: its copy list, and what it was made from (the Checkpointer
+        # reuses it while that is unchanged; it views this mapping, so it goes with it)
+        self.copies: tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def pin(self) -> None:
         if self.pinned is None:
             self.pinned = Registration(self.tensor)
 
     def close(self) -> None:
+        self.copies = None
         if self.pinned is not None:
             self.pinned.release()  # before the unmap; every copy into it has completed
             self.pinned = None
@@ -126,7 +130,7 @@ class CommitPipeline:
         with self._lock:
             return self._collect(block)
 
-    def take_slot(self, step: int, nbytes: int) -> tuple[proto.Grant, bool, torch.Tensor]:
+    def take_slot(self, step: int, nbytes: int) -> tuple[proto.Grant, bool, _Slot]:
         """A slot of at least ``nbytes`` for ``step``, whether the last commit reply reserved it
         (else ``Begin`` granted it now), and its mapping."""
         if nbytes > self._slot_size or not self._slots:
@@ -135,7 +139,7 @@ class CommitPipeline:
         reserved = slot is not None and slot.path in self._slots
         if slot is None or not reserved:
             slot = self._begin_slot(step, nbytes)
-        return slot, reserved, self._slots[slot.path].tensor
+        return slot, reserved, self._slots[slot.path]
 
     def pin(self, slot: proto.Grant) -> None:
         """Page-lock ``slot``'s mapping for CUDA copies (once per slot; no-op without CUDA)."""

@@ -48,11 +48,14 @@ def start_copies(pairs: Pairs, host_copy: Callable[[Pairs], None], executor: Thr
     stream (non-blocking), the rest through ``host_copy``."""
     by_device: dict[torch.device, Pairs] = {}
     host: Pairs = []
-    for d, s in pairs:
-        if s.is_cuda or d.is_cuda:
-            by_device.setdefault(s.device if s.is_cuda else d.device, []).append((d, s))
-        else:
-            host.append((d, s))
+    if not any(s.is_cuda or d.is_cuda for d, s in pairs):
+        host = pairs  # as given: a new (d, s) per pair kept the collector busy (the tuples' free list)
+    else:
+        for d, s in pairs:
+            if s.is_cuda or d.is_cuda:
+                by_device.setdefault(s.device if s.is_cuda else d.device, []).append((d, s))
+            else:
+                host.append((d, s))
     flight = CopyInFlight()
     for device, device_pairs in by_device.items():
         stream = side_stream(device)

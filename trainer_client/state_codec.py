@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,7 +78,11 @@ class Encoded:
     tensors: list[dict[str, Any]] = field(default_factory=list)
     tree: Any = None
     stream_nbytes: dict[str, int] = field(default_factory=lambda: {"replicated": 0, "private": 0})
-    storage_ids: dict[tuple[str, int, int], int] = field(default_factory=dict)  # (device, address, bytes) → index in storages
+    # (address, bytes) as one int for a host storage, (device, address, bytes) otherwise → index in
+    # storages (an int key, not a tuple: one object fewer per storage outliving every save)
+    storage_ids: dict[int | tuple[str, int, int], int] = field(default_factory=dict)
+    # the header's storage list, built once and kept by later saves while their storages are these
+    storage_dicts: list[dict[str, Any]] | None = None
 
     def header(self) -> dict[str, Any]:
         return {"tree_json": self.tree_json(), **self.static_header()}
@@ -91,14 +97,12 @@ class Encoded:
         """The header but the tree: what stays the same from one save to the next."""
         # Not dataclasses.asdict: asdict deep-copies recursively and cost 1.8 ms per save for an
         # AdamW state of ~60 tensors (65 % of the save's Python time).
-        return {
-            "tensors": self.tensors,
-            "storages": [
+        if self.storage_dicts is None:
+            self.storage_dicts = [
                 {"stream": s.stream, "offset": s.offset, "nbytes": s.nbytes, **({"device": s.device} if s.device != "cpu" else {})}
                 for s in self.storages
-            ],
-            "stream_nbytes": dict(self.stream_nbytes),
-        }
+            ]
+        return {"tensors": self.tensors, "storages": self.storage_dicts, "stream_nbytes": dict(self.stream_nbytes)}
 
 
 def bind_position(position: dict[str, Any], step: int, path: tuple[str | int, ...] = ()) -> dict[str, Any]:
@@ -135,6 +139,20 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
+_TAGS: list[dict[str, int]] = []  # {_TENSOR_TAG: i}, one per i, shared by every tree (never mutated)
+
+
+_TAGS_GROW = threading.Lock()  # saves may run on several threads (DCP's async save)
+
+
+def _tag(ref: int) -> dict[str, int]:
+    if ref >= len(_TAGS):
+        with _TAGS_GROW:
+            while len(_TAGS) <= ref:
+                _TAGS.append({_TENSOR_TAG: len(_TAGS)})
+    return _TAGS[ref]
+
+
 def _key(path: tuple[str | int, ...]) -> str:
     return "".join(f"[{p!r}]" for p in path) or "<root>"
 
@@ -157,14 +175,18 @@ def encode(
     """
     enc = Encoded()
     prev_ids, prev_sources = (previous.storage_ids, previous.sources) if previous is not None else ({}, [])
+    # what is the same as in the previous save is that save's object again: a save's header then
+    # leaves a few dozen new objects alive rather than five per tensor, and the collector, which
+    # runs for every ~700 objects left alive, hardly runs for a save (_collector's docstring)
+    prev_tensors, prev_storages = (previous.tensors, previous.storages) if previous is not None else ([], [])
     # looked up once per save, not per tensor (see _is_dtensor: a process with DTensors has the module)
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
     def walk(node: Any, path: tuple[str | int, ...], stream: str) -> Any:
         if isinstance(node, torch.Tensor):
             if dtensor_type is not None and isinstance(node, dtensor_type):
-                return {_TENSOR_TAG: dtensor(node, path, stream)}
-            return {_TENSOR_TAG: tensor(node, path, stream)}
+                return _tag(dtensor(node, path, stream))
+            return _tag(tensor(node, path, stream))
         if isinstance(node, dict):
             if step is not None and node.get("kind") == LOADER_KIND:
                 node = bind_position(node, step, path)
@@ -198,7 +220,7 @@ def encode(
             "to a tensor or a dict) before save()"
         )
 
-    def tensor(t: torch.Tensor, path: tuple[str | int, ...], stream: str) -> int:
+    def tensor(t: torch.Tensor, path: tuple[str | int, ...], stream: str, shared: bool = True) -> int:
         dtype = _NAMES.get(t.dtype)
         if dtype is None:
             raise StateError(f"state{_key(path)} has dtype {t.dtype}, which ffplane cannot save")
@@ -212,13 +234,16 @@ def encode(
             raise StateError(f"state{_key(path)} is a {t.layout} tensor; save a dense tensor")
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        skey = (device, storage.data_ptr(), nbytes)
+        skey = storage.data_ptr() << 64 | nbytes if device == "cpu" else (device, storage.data_ptr(), nbytes)
         sid = enc.storage_ids.get(skey)
         if sid is None:
             sid = len(enc.storages)
             offset = enc.stream_nbytes[stream]
             # a CUDA storage is copied device → slot directly (Checkpointer: on a side stream)
-            enc.storages.append(StorageEntry(stream, offset, nbytes, device))
+            entry = prev_storages[sid] if sid < len(prev_storages) else None
+            if entry is None or (entry.stream, entry.offset, entry.nbytes, entry.device) != (stream, offset, nbytes, device):
+                entry = StorageEntry(stream, offset, nbytes, device)
+            enc.storages.append(entry)
             known = prev_ids.get(skey)
             enc.sources.append(
                 torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (nbytes,), (1,))
@@ -227,17 +252,32 @@ def encode(
             )
             enc.stream_nbytes[stream] = offset + -(-nbytes // ALIGN) * ALIGN
             enc.storage_ids[skey] = sid
-        enc.tensors.append(
-            {
-                "storage": sid,
-                "dtype": dtype,
-                "shape": list(t.shape),
-                "stride": list(t.stride()),
-                "storage_offset": int(t.storage_offset()),
-                "requires_grad": t.requires_grad,
-            }
-        )  # a TensorRef's fields
-        return len(enc.tensors) - 1
+        ref = len(enc.tensors)
+        shape, stride, offset, grad = t.shape, t.stride(), int(t.storage_offset()), t.requires_grad
+        same = prev_tensors[ref] if shared and ref < len(prev_tensors) else None
+        if (
+            same is not None
+            and same["storage"] == sid
+            and same["storage_offset"] == offset
+            and same["dtype"] == dtype
+            and same["requires_grad"] is grad
+            and same["shape"] == list(shape)
+            and same["stride"] == list(stride)
+            and "dtensor" not in same
+        ):
+            enc.tensors.append(same)
+        else:
+            enc.tensors.append(
+                {
+                    "storage": sid,
+                    "dtype": dtype,
+                    "shape": list(shape),
+                    "stride": list(stride),
+                    "storage_offset": offset,
+                    "requires_grad": grad,
+                }
+            )  # a TensorRef's fields
+        return ref
 
     # what a DTensor's mesh and placements say, worked out once per mesh and per placements in
     # a save (an FSDP2 state has a thousand DTensors on one mesh); shared, never mutated
@@ -259,7 +299,7 @@ def encode(
         _, mesh_shape, coord, dp_dims = known
         checked = range(len(placements)) if dp_dims is None else dp_dims
         same = all(placements[i] == ["replicate"] for i in checked)
-        ref = tensor(t.to_local(), path, stream if same else "private")
+        ref = tensor(t.to_local(), path, stream if same else "private", shared=False)  # its entry is added to below
         # under no_grad the local part of a parameter does not require grad; the DTensor says
         enc.tensors[ref]["requires_grad"] = t.requires_grad
         enc.tensors[ref]["dtensor"] = {
@@ -276,6 +316,8 @@ def encode(
     # fsdp2 case). A Stateful leaf's state_dict() runs under no_grad too.
     with torch.no_grad(), collector_paused():  # see trainer_client._collector
         enc.tree = walk(state, (), "replicated")  # JSON by construction: walk lets nothing else through
+    if previous is not None and len(enc.storages) == len(previous.storages) and all(map(operator.is_, enc.storages, previous.storages)):
+        enc.storage_dicts = previous.storage_dicts
     return enc
 
 

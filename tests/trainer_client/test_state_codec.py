@@ -123,6 +123,22 @@ def test_encode_reuses_the_previous_views_only_of_storages_still_in_the_state() 
     assert torch.equal(out["kept"], kept) and torch.equal(out["replaced"], fresh)
 
 
+def test_encode_reuses_the_previous_header_entries_only_where_they_are_still_true() -> None:
+    """What did not change is the previous save's object again (a save leaves few objects for
+    the collector); what changed is new — and the header says what a fresh encode's says."""
+    a, b, c = torch.arange(12.0).reshape(3, 4), torch.zeros(6), torch.ones(5)
+    first = encode({"a": a, "b": b, "c": c, "n": 1})
+    state = {"a": a, "b": b.view(2, 3), "c": torch.ones(5), "n": 2}  # b reshaped; c another storage
+    second = encode(state, previous=first)
+    assert second.tensors[0] is first.tensors[0] and second.storages[0] is first.storages[0]
+    assert second.tensors[1] is not first.tensors[1] and second.storages[1] is first.storages[1]
+    assert second.sources[2] is not first.sources[2]  # its own view; its entries equal the old ones in value
+    assert json.loads(json.dumps(second.header())) == json.loads(json.dumps(encode(state).header()))
+    assert second.tree["a"] is first.tree["a"]  # the tensor markers are shared (never mutated)
+    out = decode(json.loads(json.dumps(second.header())), [s.clone() for s in second.sources])
+    assert torch.equal(out["b"], b.view(2, 3)) and torch.equal(out["c"], state["c"]) and out["n"] == 2
+
+
 @pytest.fixture
 def mesh(tmp_path):  # type: ignore[no-untyped-def]
     """A one-rank gloo group and its device mesh, torn down afterwards."""
