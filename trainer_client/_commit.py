@@ -18,6 +18,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,14 @@ class CommitPipeline:
         if slot is None or not reserved:
             slot = self._begin_slot(step, nbytes)
         return slot, reserved, self._slots[slot.path]
+
+    def forget_copies(self, still_true: Callable[[Any], bool]) -> None:
+        """Drop the kept copy lists that ``still_true`` (given what one was made from) rejects:
+        they view an earlier save's storages, which must not outlive it (a state of new tensors
+        every step would keep four of them alive)."""
+        for mapped in self._slots.values():
+            if mapped.copies is not None and not still_true(mapped.copies[0]):
+                mapped.copies = None
 
     def pin(self, slot: proto.Grant) -> None:
         """Page-lock ``slot``'s mapping for CUDA copies (once per slot; no-op without CUDA)."""

@@ -229,6 +229,8 @@ class Checkpointer:
         made_from = (lo, hi, private, enc.storages, enc.sources)
         if mapped.copies is not None and _same_objects(mapped.copies[0], made_from):
             return mapped.copies[1]
+        # the other slots' lists that view storages this save no longer has go (they kept them alive)
+        self._commits.forget_copies(lambda was: len(was[4]) == len(enc.sources) and all(map(operator.is_, was[4], enc.sources)))
         dst = mapped.tensor
         jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for entry, src in zip(enc.storages, enc.sources):

@@ -140,13 +140,14 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 _TAGS: list[dict[str, int]] = []  # {_TENSOR_TAG: i}, one per i, shared by every tree (never mutated)
-
-
+_TAGS_MAX = 1 << 16  # past this many tensors a marker is made per save (bounded memory)
 _TAGS_GROW = threading.Lock()  # saves may run on several threads (DCP's async save)
 
 
 def _tag(ref: int) -> dict[str, int]:
     if ref >= len(_TAGS):
+        if ref >= _TAGS_MAX:
+            return {_TENSOR_TAG: ref}
         with _TAGS_GROW:
             while len(_TAGS) <= ref:
                 _TAGS.append({_TENSOR_TAG: len(_TAGS)})

@@ -77,3 +77,19 @@ def test_steady_saves_reuse_the_last_header_and_copy_list_and_a_replaced_tensor_
         assert torch.equal(restored.state["t7"], state["t7"]) and torch.equal(restored.state["t9"], state["t9"])
     finally:
         ckpt.close()
+
+
+def test_copy_lists_kept_by_slots_never_hold_an_earlier_saves_tensors(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    """A state of new tensors every save (``{k: v.cpu()}`` from a GPU): a slot's kept copy list
+    views its save's tensors, so kept in four slots it would hold four earlier states alive."""
+    start_daemon()
+    ckpt = Checkpointer("fresh", socket_path=shm_root / "daemon.sock")
+    try:
+        for step in range(8):
+            ckpt.save(step, {"w": torch.full((1 << 16,), float(step))})
+            ckpt.wait()
+        kept = [s.copies for s in ckpt._commits._slots.values() if s.copies is not None]
+        assert ckpt._encoded is not None and kept
+        assert all(len(m[4]) == 1 and m[4][0] is ckpt._encoded.sources[0] for m, _ in kept)  # this save's storage, no other
+    finally:
+        ckpt.close()
