@@ -186,10 +186,7 @@ class _StepReduce:
                 for f in done.value():
                     f.value()  # re-raises a failed all-reduce
                 for flat, gs in flats:
-                    at = 0
-                    for g in gs:
-                        g.copy_(flat[at : at + g.numel()].view_as(g))
-                        at += g.numel()
+                    _scatter(flat, gs)
             except BaseException as exc:
                 for _, fut in waiting:
                     fut.set_exception(exc)
@@ -198,6 +195,21 @@ class _StepReduce:
                 fut.set_result(bucket.buffer())
 
         torch.futures.collect_all(futs).then(finish)
+
+
+def _scatter(flat: Any, grads: list[Any]) -> None:
+    """``flat``'s consecutive pieces back into ``grads``: one list copy where every gradient is
+    contiguous (views into DDP's bucket buffers are), instead of a slice, a view and a copy per
+    gradient in Python on gloo's thread, which ran them while holding the GIL."""
+    import torch
+
+    parts = flat.split([g.numel() for g in grads])
+    copy_list = getattr(torch, "_foreach_copy_", None)  # torch >= 2.2
+    if copy_list is not None and all(g.is_contiguous() for g in grads):
+        copy_list([g.view(-1) for g in grads], list(parts))
+        return
+    for g, part in zip(grads, parts):
+        g.copy_(part.view_as(g))
 
 
 def _annotated(hook: Any) -> Any:

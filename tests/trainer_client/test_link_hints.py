@@ -47,3 +47,17 @@ def test_the_step_hook_is_one_collective_a_step_and_independent_of_bucket_layout
     plain_one = _train(tmp_path, "ddp-one", 25, "none")
     assert not _same(plain_many[0]["weights"], plain_one[0]["weights"])
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(one[0]["weights"], plain_one[0]["weights"]))
+
+
+def test_the_reduced_buffer_goes_back_into_every_gradient_contiguous_or_not() -> None:
+    from trainer_client.link_hints import _scatter
+
+    buffer = torch.zeros(20)
+    grads = [buffer[0:6].view(2, 3), buffer[6:10], torch.zeros(3, 2).t()]  # the last one is not contiguous
+    flat = torch.arange(16, dtype=torch.float32)
+    _scatter(flat, grads)
+    assert torch.equal(grads[0], flat[0:6].view(2, 3)) and torch.equal(grads[1], flat[6:10])
+    assert torch.equal(grads[2], flat[10:16].view(2, 3))
+    contiguous = [buffer[0:6].view(2, 3), buffer[6:16]]
+    _scatter(flat.flip(0), contiguous)  # the one-call path
+    assert torch.equal(buffer[:16], flat.flip(0))
