@@ -63,6 +63,13 @@ class _Sampler:
                         continue
                     self.samples.append((time.time(), int(n)))
 
+    def wait_past(self, when: float, timeout_s: float = 10.0) -> None:
+        """Until a sample is taken after ``when``: a daemon busy pushing may answer a poll late,
+        and a fixed wait was too short for it once on a loaded machine (the suite's smoke run)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(t >= when for t, _ in self.samples[-5:]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def at(self, when: float) -> float:
         before = [s for s in self.samples if s[0] <= when]
         after = [s for s in self.samples if s[0] >= when]
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             proc = _traffic(net, 1, "train", b.addr, str(PORT), str(args.bursts), str(args.burst_mb), str(args.gap_ms), str(c.socket(0)))
             out, _ = proc.communicate(timeout=600)
             result = json.loads(out)
-            time.sleep(0.05)
+            sampler.wait_past(result["end"])
             moved = sampler.at(result["end"]) - sampler.at(result["start"])
             if saver is not None and not with_state:
                 saver.send_signal(18)  # SIGCONT
