@@ -67,7 +67,7 @@ class _Sampler:
         """Until a sample is taken after ``when``: a daemon busy pushing may answer a poll late,
         and a fixed wait was too short for it once on a loaded machine (the suite's smoke run)."""
         deadline = time.monotonic() + timeout_s
-        while not any(t >= when for t, _ in self.samples[-5:]) and time.monotonic() < deadline:
+        while not (self.samples and self.samples[-1][0] >= when) and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def at(self, when: float) -> float:

@@ -4,8 +4,9 @@ A save makes a few containers per tensor (its header entry, the slot views it co
 of them garbage, and every 700 of them set off a collection; every tenth of those passes over the
 older generation and, in time, one passes over every object the process has (a training process
 has 10^5-10^6: torch, the model, its hooks). Held off, the save's objects meet one young collection
-afterwards instead of dozens (``tests/trainer_client/test_save_collector.py``: 16 → at most 3 for
-3,000 tensors); what it is worth: ``python bench/save_cpu.py --cases fsdp2`` (docs/decisions.md).
+afterwards instead of dozens (``tests/trainer_client/test_save_collector.py``, 3,000 tensors); what
+it is worth: ``python bench/save_cpu.py --cases fsdp2`` (docs/decisions.md). A steady save leaves
+few objects at all (``state_codec.encode``'s ``previous``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,16 @@ log = logging.getLogger(__name__)
 _SAY_WHY_AFTER_S = 1.0  # a save waiting this long for the previous commit logs why
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptCopies:
+    """A save's copy list into one slot, kept for the next save into it (``Checkpointer._pairs``)."""
+
+    generation: int  # the Encoded.generation it was made for
+    bounds: tuple[int, int, int]  # the role's slice [lo, hi) of the replicated stream, its private bytes
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (slot part, source)
+    on_device: bool  # some source is on a CUDA device
+
+
 class _Slot:
     """One slot file mapped shared and writable, pre-faulted once, as a uint8 tensor."""
 
@@ -56,9 +65,7 @@ class _Slot:
         self.path = path
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned: Registration | None = None  # registered for CUDA copies on the first one
-        # the last save into this slot: its copy list, and what it was made from (the Checkpointer
-        # reuses it while that is unchanged; it views this mapping, so it goes with it)
-        self.copies: tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self.copies: KeptCopies | None = None  # the last save's into this slot; views this mapping, goes with it
 
     def pin(self) -> None:
         if self.pinned is None:
@@ -142,12 +149,12 @@ class CommitPipeline:
             slot = self._begin_slot(step, nbytes)
         return slot, reserved, self._slots[slot.path]
 
-    def forget_copies(self, still_true: Callable[[Any], bool]) -> None:
-        """Drop the kept copy lists that ``still_true`` (given what one was made from) rejects:
-        they view an earlier save's storages, which must not outlive it (a state of new tensors
-        every step would keep four of them alive)."""
+    def forget_copies(self, generation: int) -> None:
+        """Drop the kept copy lists made for another ``Encoded.generation``: they view an earlier
+        save's storages, which must not outlive it (a state of new tensors every step would keep
+        four of them alive)."""
         for mapped in self._slots.values():
-            if mapped.copies is not None and not still_true(mapped.copies[0]):
+            if mapped.copies is not None and mapped.copies.generation != generation:
                 mapped.copies = None
 
     def pin(self, slot: proto.Grant) -> None:

@@ -25,11 +25,14 @@ def _flat(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def copy_all(pairs: Pairs, pool: ThreadPoolExecutor | None, parts: int) -> None:
     """``d.copy_(s)`` for every pair; with ``pool`` and enough bytes, over ``parts`` threads."""
-    total = sum(d.numel() * d.element_size() for d, _ in pairs)
     # With an intra-op pool of its own, torch already splits each large copy over its threads,
     # whose workers are still spinning from the step that just ran; extra threads of ours would
     # only fight them (measured: +8 ms per 18 MiB save inside a 2-thread training loop).
-    if pool is None or parts < 2 or total < PARALLEL_MIN_BYTES or torch.get_num_threads() > 1:
+    if pool is None or parts < 2 or torch.get_num_threads() > 1:
+        _run(pairs)
+        return
+    total = sum(d.numel() * d.element_size() for d, _ in pairs)
+    if total < PARALLEL_MIN_BYTES:
         _run(pairs)
         return
     chunks: list[Pairs] = [[] for _ in range(parts)]

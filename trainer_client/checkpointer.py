@@ -22,7 +22,6 @@ cannot change before then. On CPU the same mode copies on a thread.
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import time
 import weakref
@@ -37,7 +36,7 @@ import torch
 
 from statestore.protocol import files
 from trainer_client._collector import paused as collector_paused
-from trainer_client._commit import CommitPipeline, _Slot
+from trainer_client._commit import CommitPipeline, KeptCopies, _Slot
 from trainer_client._copy import copy_all
 from trainer_client._device_copy import CopyInFlight, copy_now, start_copies
 from trainer_client._restore import RestoreAgreement, Restored
@@ -51,19 +50,6 @@ __all__ = ["Checkpointer", "Restored", "settle_all"]
 
 log = logging.getLogger(__name__)
 _open: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # for settle_all (the DDP comm hook)
-
-
-def _same_objects(was: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
-    """The same slice bounds, and the very same storage entries and source views, in order
-    (identity: comparing tensors with ``==`` would compare their elements)."""
-    lo, hi, private, storages, sources = was
-    return (
-        (lo, hi, private) == now[:3]
-        and len(storages) == len(now[3])
-        and len(sources) == len(now[4])
-        and all(map(operator.is_, storages, now[3]))
-        and all(map(operator.is_, sources, now[4]))
-    )
 
 
 def settle_all() -> None:
@@ -174,10 +160,10 @@ class Checkpointer:
                 | (header or {})
             )
             try:
-                pairs = self._pairs(mapped, enc, lo, hi, private)
-                if any(s.is_cuda for _, s in pairs):
+                copies = self._pairs(mapped, enc, lo, hi, private)
+                if copies.on_device:
                     self._commits.pin(slot)  # once per slot: device → slot copies run asynchronously
-                flight = start_copies(pairs, self._copy, self._background_pool() if self.overlapped else None)
+                flight = start_copies(copies.pairs, self._copy, self._background_pool() if self.overlapped else None)
             except BaseException:
                 self._commits.abort(slot)
                 raise
@@ -221,16 +207,15 @@ class Checkpointer:
             self._background = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-overlap-{self.role}")
         return self._background
 
-    def _pairs(self, mapped: _Slot, enc: Encoded, lo: int, hi: int, private: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _pairs(self, mapped: _Slot, enc: Encoded, lo: int, hi: int, private: int) -> KeptCopies:
         """(slot part, source) for every storage byte range this role saves: the last save into
-        this slot's, while its storages and their places are the same objects (``encode`` reuses
-        what did not change), else made afresh — a view per storage, several per tensor of a
-        large model's state every step otherwise."""
-        made_from = (lo, hi, private, enc.storages, enc.sources)
-        if mapped.copies is not None and _same_objects(mapped.copies[0], made_from):
-            return mapped.copies[1]
-        # the other slots' lists that view storages this save no longer has go (they kept them alive)
-        self._commits.forget_copies(lambda was: len(was[4]) == len(enc.sources) and all(map(operator.is_, was[4], enc.sources)))
+        this slot's list while ``enc`` is of its generation (``encode`` keeps the number while the
+        storages, their places and their views are the previous save's objects), else made afresh
+        — a view per storage, several per tensor of a large model's state, every step otherwise."""
+        kept = mapped.copies
+        if kept is not None and kept.generation == enc.generation and kept.bounds == (lo, hi, private):
+            return kept
+        self._commits.forget_copies(enc.generation)  # the others' lists view storages this save no longer has
         dst = mapped.tensor
         jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for entry, src in zip(enc.storages, enc.sources):
@@ -241,8 +226,8 @@ class Checkpointer:
             if a < b:  # the part of this storage inside this rank's slice
                 part = src if b - a == entry.nbytes else src[a - entry.offset : b - entry.offset]
                 jobs.append((dst[private + a - lo : private + b - lo], part))
-        mapped.copies = (made_from, jobs)
-        return jobs
+        mapped.copies = KeptCopies(enc.generation, (lo, hi, private), jobs, any(s.is_cuda for _, s in jobs))
+        return mapped.copies
 
     def _copy(self, jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         copy_all(jobs, self._copiers_pool(), self.copy_threads)

@@ -198,18 +198,12 @@ class _StepReduce:
 
 
 def _scatter(flat: Any, grads: list[Any]) -> None:
-    """``flat``'s consecutive pieces back into ``grads``: one list copy where every gradient is
-    contiguous (views into DDP's bucket buffers are), instead of a slice, a view and a copy per
-    gradient in Python on gloo's thread, which ran them while holding the GIL."""
-    import torch
+    """``flat``'s consecutive pieces back into ``grads``, as one list copy (``copy_all``), not a
+    slice, a view and a copy per gradient in Python on gloo's thread, which held the GIL for them."""
+    from trainer_client._copy import copy_all
 
     parts = flat.split([g.numel() for g in grads])
-    copy_list = getattr(torch, "_foreach_copy_", None)  # torch >= 2.2
-    if copy_list is not None and all(g.is_contiguous() for g in grads):
-        copy_list([g.view(-1) for g in grads], list(parts))
-        return
-    for g, part in zip(grads, parts):
-        g.copy_(part.view_as(g))
+    copy_all([(g, part.view_as(g)) for g, part in zip(grads, parts)], None, 1)
 
 
 def _annotated(hook: Any) -> Any:

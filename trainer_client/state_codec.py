@@ -11,6 +11,7 @@ object (``state_dict()`` / ``load_state_dict()``) as its ``state_dict()``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import operator
@@ -83,6 +84,10 @@ class Encoded:
     storage_ids: dict[int | tuple[str, int, int], int] = field(default_factory=dict)
     # the header's storage list, built once and kept by later saves while their storages are these
     storage_dicts: list[dict[str, Any]] | None = None
+    # which storages, at which places in the streams, through which source views: the previous
+    # save's number while all three are its very objects, else a new one (a slot's kept copy list
+    # is good for exactly one number: Checkpointer._pairs)
+    generation: int = -1
 
     def header(self) -> dict[str, Any]:
         return {"tree_json": self.tree_json(), **self.static_header()}
@@ -139,6 +144,7 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
+_GENERATIONS = itertools.count()  # Encoded.generation
 _TAGS: list[dict[str, int]] = []  # {_TENSOR_TAG: i}, one per i, shared by every tree (never mutated)
 _TAGS_MAX = 1 << 16  # past this many tensors a marker is made per save (bounded memory)
 _TAGS_GROW = threading.Lock()  # saves may run on several threads (DCP's async save)
@@ -317,9 +323,16 @@ def encode(
     # fsdp2 case). A Stateful leaf's state_dict() runs under no_grad too.
     with torch.no_grad(), collector_paused():  # see trainer_client._collector
         enc.tree = walk(state, (), "replicated")  # JSON by construction: walk lets nothing else through
-    if previous is not None and len(enc.storages) == len(previous.storages) and all(map(operator.is_, enc.storages, previous.storages)):
-        enc.storage_dicts = previous.storage_dicts
+    if previous is not None and _same_items(enc.storages, previous.storages) and _same_items(enc.sources, previous.sources):
+        enc.storage_dicts, enc.generation = previous.storage_dicts, previous.generation
+    else:
+        enc.generation = next(_GENERATIONS)
     return enc
+
+
+def _same_items(a: list[Any], b: list[Any]) -> bool:
+    """The very same objects in the same order (identity: tensors' ``==`` compares elements)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def decode(

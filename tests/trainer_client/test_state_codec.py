@@ -133,6 +133,9 @@ def test_encode_reuses_the_previous_header_entries_only_where_they_are_still_tru
     assert second.tensors[0] is first.tensors[0] and second.storages[0] is first.storages[0]
     assert second.tensors[1] is not first.tensors[1] and second.storages[1] is first.storages[1]
     assert second.sources[2] is not first.sources[2]  # its own view; its entries equal the old ones in value
+    assert second.generation != first.generation  # a copy list made for the first would copy the old c
+    third = encode(state, previous=second)
+    assert third.generation == second.generation and third.storage_dicts is second.storage_dicts
     assert json.loads(json.dumps(second.header())) == json.loads(json.dumps(encode(state).header()))
     assert second.tree["a"] is first.tree["a"]  # the tensor markers are shared (never mutated)
     out = decode(json.loads(json.dumps(second.header())), [s.clone() for s in second.sources])
