@@ -5,6 +5,9 @@ swapped, for bench/step_cost.py. ``FFPLANE_ABLATE``:
 * ``buckets`` — the comm hook with DDP's own bucket all-reduce (not bitwise-stable on restore);
 * ``no_hook`` — no comm hook at all (DDP's default; no link hints, no wait for the last save);
 * ``no_save`` — the comm hook, but ``Checkpointer.save`` only marks the step done.
+
+Kinds combine with ``+``: ``no_save+no_hook`` is ffplane's data path alone (batches from the node
+cache, nothing else of ffplane).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def _ablate(kind: str) -> None:
 
 
 if __name__ == "__main__":
-    _ablate(os.environ.get("FFPLANE_ABLATE", ""))
+    for kind in os.environ.get("FFPLANE_ABLATE", "").split("+"):
+        _ablate(kind)
     sys.argv[0] = str(EXAMPLE)
     runpy.run_path(str(EXAMPLE), run_name="__main__")

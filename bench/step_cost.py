@@ -10,7 +10,9 @@ every step, the comm hook with one all-reduce per step in parameter order), and 
 (bench/_ablate_job.py): ``per_tensor`` (the hook without the model: one all-reduce per gradient,
 the previous default), ``buckets`` (DDP's bucket all-reduce: fast, not bitwise-stable across a
 restore with > 2 ranks), ``no_hook`` (no link hints, no wait for the last save's replica),
-``no_save``; and of the daemons (each in a cluster of its own, after the others): ``http_push``
+``no_save``, ``data_only`` (``no_save`` and ``no_hook``: batches from the node cache and nothing
+else of ffplane), ``no_save_buckets`` (``no_save`` with ``buckets``: what the reproducible reduction
+costs where nothing is saved); and of the daemons (each in a cluster of its own, after the others): ``http_push``
 (replicas pushed over HTTP, ``--bulk-port -1``), ``no_replicate`` (no replicas at all),
 ``fetch_single`` (one data-server request per step, ``--fetch-steps 1``, instead of runs). And the
 floor: ``floor`` is the plain job doing, every step, the least that keeping each step's state on
@@ -46,7 +48,10 @@ from ffplane_harness.job_runner import LocalJobs  # noqa: E402
 
 PLAIN = Path(__file__).resolve().parent / "_plain_job.py"
 ABLATE = Path(__file__).resolve().parent / "_ablate_job.py"
-VARIANTS = ("plain", "floor", "ffplane", "per_tensor", "buckets", "no_hook", "no_save", "http_push", "no_replicate", "fetch_single")
+VARIANTS = (
+    "plain", "floor", "ffplane", "per_tensor", "buckets", "no_hook", "no_save", "data_only", "no_save_buckets", "http_push", "no_replicate", "fetch_single",
+)  # fmt: skip
+ABLATIONS = {"data_only": "no_save+no_hook", "no_save_buckets": "no_save+buckets"}  # variants that combine ablations of the job
 # variants of the daemons rather than the job: run as ffplane, on daemons started with these flags
 DAEMON_ARGS = {"http_push": ["--bulk-port", "-1"], "no_replicate": ["--no-replicate"], "fetch_single": ["--fetch-steps", "1"]}
 
@@ -62,7 +67,7 @@ def steps_per_min(jobs: LocalJobs, variant: str, job: str) -> tuple[float, dict[
             os.environ["FFPLANE_FLOOR"] = "1"
     else:
         jobs.script, jobs.script_args = ABLATE, []
-        os.environ["FFPLANE_ABLATE"] = "" if variant in ("ffplane", *DAEMON_ARGS) else variant
+        os.environ["FFPLANE_ABLATE"] = "" if variant in ("ffplane", *DAEMON_ARGS) else ABLATIONS.get(variant, variant)
         jobs.post("/v1/jobs", {"name": job, "dataset": "tokens", "dp": 4, "batch_per_rank": 8, "seed": 0, "max_steps": jobs.steps})
     with CpuSampler() as cpu:
         nodes = jobs.launch_job(job, [0, 1])

@@ -10,9 +10,12 @@ priority), keeps ``keep_consumed`` steps behind the slowest reader for replay, a
 A step is fetched alone, its file exactly the body the data server sent — unless steps are small
 (tokens: a few KiB, where a request costs the data server ~1 ms of CPU and the step's bytes
 nothing): then a prefetch asks for ``fetch_steps`` consecutive steps in one request, up to
-``fetch_steps - 1`` past the window, and splits the stream into one file per step here (each the
-stream's schema, the step's record batch and its metadata; ``split_steps``). A run that fails is
-fetched again step by step, so its errors are exactly those of single fetches.
+``fetch_steps - 1`` past the window, and the body, checked to hold exactly those steps, is one file
+named for its first step (``check_run``). A reader maps such a file once and reads each of its steps
+from that mapping, telling the daemon where it is only on entering a file, when the next run is
+fetched (runs start while a missing step is within ``fetch_steps - 1`` past the window): per small
+step no file is created, renamed, indexed, unlinked or mapped and no request is sent. A run that fails is fetched again step by step,
+so its errors are exactly those of single fetches.
 """
 
 from __future__ import annotations
@@ -57,10 +60,18 @@ class _RunTooLarge(FFPlaneError):
     status = 413
 
 
-@dataclass
-class CachedStep:
+@dataclass(eq=False)
+class CachedFile:
+    """One published file of the stream: ``count`` consecutive steps from ``first``."""
+
     path: Path
     nbytes: int
+    first: int
+    count: int = 1
+
+    @property
+    def end(self) -> int:
+        return self.first + self.count
 
 
 @dataclass
@@ -70,8 +81,9 @@ class Stream:
     directory: Path
     token: str | None = None
     readers: dict[int, int] = field(default_factory=dict)  # reader id → next step it needs
-    ready: dict[int, CachedStep] = field(default_factory=dict)
-    inflight: dict[int, asyncio.Future[CachedStep]] = field(default_factory=dict)
+    files: dict[int, CachedFile] = field(default_factory=dict)  # first step → file
+    ready: dict[int, CachedFile] = field(default_factory=dict)  # every cached step → the file holding it
+    inflight: dict[int, asyncio.Future[CachedFile]] = field(default_factory=dict)
     failed: dict[int, FFPlaneError] = field(default_factory=dict)
     end_step: int | None = None  # first step the data server refused as out of range
     step_bytes: int = 0  # the size of the last step the data server announced
@@ -93,7 +105,18 @@ class Stream:
         return min(self.readers.values()), max(self.readers.values()) + ahead
 
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.ready.values())
+        return sum(f.nbytes for f in self.files.values())
+
+    def add(self, cached: CachedFile) -> None:
+        self.files[cached.first] = cached
+        for step in range(cached.first, cached.end):
+            self.ready[step] = cached
+
+    def drop(self, cached: CachedFile) -> None:
+        """Forget ``cached`` (the caller unlinks it and deletes its index record)."""
+        del self.files[cached.first]
+        for step in range(cached.first, cached.end):
+            del self.ready[step]
 
     def describe(self, ahead: int) -> dict[str, Any]:
         win = self.window(ahead)
@@ -104,6 +127,7 @@ class Stream:
             "readers": len(self.readers),
             "reader_steps": sorted(self.readers.values()),
             "steps": sorted(self.ready),
+            "files": len(self.files),
             "fetching": sorted(self.inflight),
             "bytes": self.nbytes(),
             "hits": self.hits,
@@ -138,6 +162,10 @@ def _index_key(job: str, dp_rank: int, step: int) -> str:
     return f"data/{job}/{dp_rank}/{step:012d}"
 
 
+def _file_key(stream: Stream, cached: CachedFile) -> str:
+    return _index_key(stream.job, stream.dp_rank, cached.first)
+
+
 class DataCache:
     def __init__(self, config: DaemonConfig, index: Index, token: str | None, gate: LinkGate | None, servers: DataServers) -> None:
         self.config = config
@@ -163,7 +191,7 @@ class DataCache:
             path = self.config.root / entry["file"]
             if path.is_file() and path.stat().st_size == entry["nbytes"]:
                 stream = self._stream(job, int(rank))
-                stream.ready[int(step)] = CachedStep(path, entry["nbytes"])
+                stream.add(CachedFile(path, entry["nbytes"], int(step), int(entry.get("steps", 1))))
                 known.add(path)
                 kept += 1
             else:
@@ -215,8 +243,8 @@ class DataCache:
     def detach(self, reader: int, stream: Stream) -> None:
         stream.readers.pop(reader, None)
 
-    async def get(self, reader: int, stream: Stream, step: int) -> tuple[CachedStep, bool]:
-        """The cached file of ``step``, waiting for it if needed; also moves the reader's cursor."""
+    async def get(self, reader: int, stream: Stream, step: int) -> tuple[CachedFile, bool]:
+        """The cached file holding ``step``, waiting for it if needed; also moves the reader's cursor."""
         stream.readers[reader] = step
         # Eviction (unlinks, an index transaction) runs after the reply is sent, not before it.
         asyncio.get_running_loop().call_soon(self._evict, stream)
@@ -256,8 +284,11 @@ class DataCache:
             estimate = self._step_estimate(stream)
             runs = self.config.fetch_steps > 1 and 0 < estimate <= RUN_STEP_BYTES
             in_flight = self.config.fetch_concurrency * (self.config.fetch_steps if runs else 1)  # steps, not requests
+            # A reader of runs says where it is only on entering a file: the next run is fetched
+            # then, a run ahead, not when the window reaches it
+            horizon = win[1] + self.config.fetch_steps - 1 if runs else win[1]
             planned = 0  # fetches started in this pass reserve their room only when answered
-            for step in range(win[0], win[1] if stream.end_step is None else min(win[1], stream.end_step)):
+            for step in range(win[0], horizon if stream.end_step is None else min(horizon, stream.end_step)):
                 if not self._missing(stream, step):
                     continue
                 if len(stream.inflight) >= in_flight:
@@ -269,7 +300,7 @@ class DataCache:
                             "cache budget reached; prefetch paused", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step}
                         )
                     break
-                run = self._run(stream, step, win[1])[:fit] if runs else [step]
+                run = self._run(stream, step)[:fit] if runs else [step]
                 planned += len(run) * estimate
                 if len(run) == 1:
                     self._start_fetch(stream, step)
@@ -279,11 +310,11 @@ class DataCache:
     def _missing(self, stream: Stream, step: int) -> bool:
         return step not in stream.ready and step not in stream.inflight and step not in stream.failed
 
-    def _run(self, stream: Stream, step: int, window_end: int) -> list[int]:
-        """The consecutive missing steps from ``step`` one request fetches: up to ``fetch_steps``,
-        reaching at most ``fetch_steps - 1`` past the window (so in a steady run each request
-        brings ``fetch_steps`` new steps instead of the one the window just gained)."""
-        end = min(step + self.config.fetch_steps, window_end + self.config.fetch_steps - 1)
+    def _run(self, stream: Stream, step: int) -> list[int]:
+        """The consecutive missing steps from ``step`` one request fetches: up to ``fetch_steps``
+        (the pump starts one while a missing step is within ``fetch_steps - 1`` past the window,
+        so in a steady run each request brings ``fetch_steps`` new steps, a run ahead)."""
+        end = step + self.config.fetch_steps
         if stream.end_step is not None:
             end = min(end, stream.end_step)
         run = [step]
@@ -292,7 +323,7 @@ class DataCache:
         return run
 
     def _step_estimate(self, stream: Stream) -> int:
-        return max(max((c.nbytes for c in stream.ready.values()), default=0), stream.step_bytes)
+        return max(max((f.nbytes // f.count for f in stream.files.values()), default=0), stream.step_bytes)
 
     def _make_room(self, stream: Stream, step: int, need: int) -> None:
         """Reserve ``need`` bytes for ``step`` within the budget. A step a reader waits for makes
@@ -304,11 +335,12 @@ class DataCache:
             return self.cached_bytes() + self.other_bytes() + need - budget
 
         if over() > 0 and bool(stream.readers) and step <= max(stream.readers.values()):
-            for victim, s in self._victims():
+            for victim, cached in self._victims():
                 if over() <= 0:
                     break
-                shm.unlink(victim.ready.pop(s).path)  # a reader still mapping it keeps its pages
-                self.index.delete(_index_key(victim.job, victim.dp_rank, s))
+                victim.drop(cached)
+                shm.unlink(cached.path)  # a reader still mapping it keeps its pages
+                self.index.delete(_file_key(victim, cached))
         if over() > 0:
             if stream.readers and step <= max(stream.readers.values()):
                 mib = 1 << 20
@@ -321,33 +353,37 @@ class DataCache:
         self._reserved += need
         self.peak_bytes = max(self.peak_bytes, self.cached_bytes())
 
-    def _victims(self) -> list[tuple[Stream, int]]:
-        consumed, ahead = [], []
+    def _victims(self) -> list[tuple[Stream, CachedFile]]:
+        """Files no reader is on: consumed ones, oldest first, then the furthest prefetched."""
+        consumed: list[tuple[int, Stream, CachedFile]] = []
+        ahead: list[tuple[int, Stream, CachedFile]] = []
         for st in self.streams.values():
-            at = set(st.readers.values())
-            for s in st.ready:
-                if s in at:
+            at = st.readers.values()
+            for f in st.files.values():
+                if any(f.first <= s < f.end for s in at):
                     continue
-                if not at or s < min(at):
-                    consumed.append((s, st))
-                elif s > max(at):
-                    ahead.append((-s, st))
-        return [(st, s) for s, st in sorted(consumed, key=lambda c: c[0])] + [(st, -s) for s, st in sorted(ahead, key=lambda a: a[0])]
+                if not at or f.end <= min(at):
+                    consumed.append((f.first, st, f))
+                elif f.first > max(at):
+                    ahead.append((-f.first, st, f))
+        consumed.sort(key=lambda c: c[0])
+        ahead.sort(key=lambda a: a[0])
+        return [(st, f) for _, st, f in consumed + ahead]
 
-    def _start_fetch(self, stream: Stream, step: int) -> asyncio.Future[CachedStep]:
-        fut: asyncio.Future[CachedStep] = asyncio.get_running_loop().create_future()
+    def _start_fetch(self, stream: Stream, step: int) -> asyncio.Future[CachedFile]:
+        fut: asyncio.Future[CachedFile] = asyncio.get_running_loop().create_future()
         stream.inflight[step] = fut
         task = asyncio.create_task(self._fetch(stream, step, fut), name=f"fetch {stream.key}/{step}")
         task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
         return fut
 
-    async def _fetch(self, stream: Stream, step: int, fut: asyncio.Future[CachedStep]) -> None:
+    async def _fetch(self, stream: Stream, step: int, fut: asyncio.Future[CachedFile]) -> None:
         final = stream.directory / step_file(step)
         tmp = shm.tmp_path(final)
         try:
             async with self._fetch_slots:
                 cached = await self._download(stream, step, tmp, final)
-            stream.ready[step] = cached
+            stream.add(cached)
             stream.fetched += 1
             fut.set_result(cached)
         except FFPlaneError as exc:
@@ -381,10 +417,10 @@ class DataCache:
         task = asyncio.create_task(self._fetch_run(stream, steps, futs), name=f"fetch {stream.key}/{steps[0]}+{len(steps)}")
         task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
 
-    async def _fetch_run(self, stream: Stream, steps: list[int], futs: list[asyncio.Future[CachedStep]]) -> None:
+    async def _fetch_run(self, stream: Stream, steps: list[int], futs: list[asyncio.Future[CachedFile]]) -> None:
         """Fetch ``steps`` with one request; if that fails in any way, each step on its own (as
         ``_fetch``: its retries, its errors, its end of the job)."""
-        got: list[CachedStep] = []
+        got: CachedFile | None = None
         try:
             async with self._fetch_slots:
                 got = await self._download_run(stream, steps)
@@ -409,21 +445,23 @@ class DataCache:
                 if not fut.done():
                     fut.cancel()
             raise
-        for step, fut, cached in zip(steps, futs, got):
-            stream.ready[step] = cached
-            stream.fetched += 1
-            stream.inflight.pop(step, None)
-            fut.set_result(cached)
-        stream.wake.set()
-        for step, fut in list(zip(steps, futs))[len(got) :]:
+        if got is not None:
+            stream.add(got)
+            stream.fetched += len(steps)
+            for step, fut in zip(steps, futs):
+                stream.inflight.pop(step, None)
+                fut.set_result(got)
+            stream.wake.set()
+            return
+        for step, fut in zip(steps, futs):
             await self._fetch(stream, step, fut)
 
-    async def _download_run(self, stream: Stream, steps: list[int]) -> list[CachedStep]:
+    async def _download_run(self, stream: Stream, steps: list[int]) -> CachedFile:
         """``_download`` for several steps (servers in ``DataServers.for_run``'s order)."""
         servers = self.servers.for_run(stream.key, steps[0], self.config.fetch_steps)
         return await self._failing_over(servers, lambda server: self._download_run_from(server, stream, steps))
 
-    async def _download_run_from(self, server: str, stream: Stream, steps: list[int]) -> list[CachedStep]:
+    async def _download_run_from(self, server: str, stream: Stream, steps: list[int]) -> CachedFile:
         assert self._session is not None
         url = f"{server}/v1/jobs/{stream.job}/batches"
         params = {"dp_rank": str(stream.dp_rank), "start": str(steps[0]), "count": str(len(steps))}
@@ -461,32 +499,29 @@ class DataCache:
                 f"{stream.key} steps {steps[0]}+{len(steps)}: body of {len(body)} bytes, Content-Length said {resp.content_length}"
             )
         try:
-            files = split_steps(body, steps)
+            check_run(body, steps)
         except (ValueError, pa.ArrowException) as exc:
             raise TransportError(f"{stream.key} steps {steps[0]}+{len(steps)} from {server}: {exc}") from exc
-        out: list[CachedStep] = []
-        for step, data in zip(steps, files):
-            final = stream.directory / step_file(step)
-            tmp = shm.tmp_path(final)
+        final = stream.directory / step_file(steps[0])
+        tmp = shm.tmp_path(final)
+        try:
+            fd = shm.open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                fd = shm.open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                try:
-                    shm.presize(fd, data.size)
-                    writer = shm.PageWriter(fd)
-                    writer.add(memoryview(data))
-                    writer.flush()
-                finally:
-                    os.close(fd)
-            except OSError as exc:  # as a single fetch: a full tmpfs is a clear error
-                shm.unlink(tmp)
-                if out:
-                    return out  # the steps written so far are good; the rest go one by one
-                raise CapacityError(f"cannot cache {stream.key} step {step} in {self.config.root}: {exc}; the tmpfs is full") from exc
-            out.append(self._publish(stream, step, tmp, final, data.size))
-            stream.step_bytes = data.size
-        return out
+                shm.presize(fd, len(body))
+                writer = shm.PageWriter(fd)
+                writer.add(memoryview(body))
+                writer.flush()
+            finally:
+                os.close(fd)
+        except OSError as exc:  # as a single fetch: a full tmpfs is a clear error
+            shm.unlink(tmp)
+            raise CapacityError(
+                f"cannot cache {stream.key} steps {steps[0]}+{len(steps)} in {self.config.root}: {exc}; the tmpfs is full"
+            ) from exc
+        stream.step_bytes = len(body) // len(steps)
+        return self._publish(stream, steps[0], tmp, final, len(body), len(steps))
 
-    async def _download(self, stream: Stream, step: int, tmp: Path, final: Path) -> CachedStep:
+    async def _download(self, stream: Stream, step: int, tmp: Path, final: Path) -> CachedFile:
         """Fetch ``step`` from the data server its turn falls to, or at once from the next one
         when that one does not answer or answers 5xx (the same bytes: a batch is a pure function
         of its TID)."""
@@ -512,7 +547,7 @@ class DataCache:
         assert error is not None
         raise error
 
-    async def _download_from(self, server: str, stream: Stream, step: int, tmp: Path, final: Path) -> CachedStep:
+    async def _download_from(self, server: str, stream: Stream, step: int, tmp: Path, final: Path) -> CachedFile:
         assert self._session is not None
         url = f"{server}/v1/jobs/{stream.job}/batches"
         token = stream.token or self.token
@@ -550,12 +585,16 @@ class DataCache:
             raise
         return self._publish(stream, step, tmp, final, nbytes)
 
-    def _publish(self, stream: Stream, step: int, tmp: Path, final: Path, nbytes: int) -> CachedStep:
-        """A step's file, written whole under ``tmp``, becomes ``final`` and is recorded."""
+    def _publish(self, stream: Stream, first: int, tmp: Path, final: Path, nbytes: int, count: int = 1) -> CachedFile:
+        """A file of ``count`` steps from ``first``, written whole under ``tmp``, becomes ``final``
+        and is recorded."""
         shm.publish(tmp, final)
-        self.index.put(_index_key(stream.job, stream.dp_rank, step), {"file": str(final.relative_to(self.config.root)), "nbytes": nbytes})
+        record: dict[str, Any] = {"file": str(final.relative_to(self.config.root)), "nbytes": nbytes}
+        if count > 1:
+            record["steps"] = count
+        self.index.put(_index_key(stream.job, stream.dp_rank, first), record)
         self.bytes_fetched += nbytes
-        return CachedStep(final, nbytes)
+        return CachedFile(final, nbytes, first, count)
 
     async def _admit(self, stream: Stream, step: int, nbytes: int) -> None:
         assert self.gate is not None
@@ -566,16 +605,18 @@ class DataCache:
         await self.gate.acquire(Priority.NEXT_BATCH if needed() else Priority.PREFETCH, nbytes, critical=needed)
 
     def invalidate(self, stream: Stream, step: int) -> None:
-        """Drop a cached step a reader found stale (planned before a new generation): this and
-        every later cached step of the stream, which were planned the same way; they refetch."""
-        stale = [s for s in stream.ready if s >= step]
-        for s in stale:
-            shm.unlink(stream.ready.pop(s).path)
+        """Drop a cached step a reader found stale (planned before a new generation): the file
+        holding it and every later cached step of the stream, which were planned the same way;
+        they refetch."""
+        stale = [f for f in stream.files.values() if f.end > step]
+        for f in stale:
+            stream.drop(f)
+            shm.unlink(f.path)
         stream.failed.clear()
         stream.end_step = None
         if stale:
-            self.index.delete(*(_index_key(stream.job, stream.dp_rank, s) for s in stale))
-            log.info("stale steps dropped", extra={"job": stream.job, "dp_rank": stream.dp_rank, "from_step": step, "steps": len(stale)})
+            self.index.delete(*(_file_key(stream, f) for f in stale))
+            log.info("stale steps dropped", extra={"job": stream.job, "dp_rank": stream.dp_rank, "from_step": step, "files": len(stale)})
 
     # --- eviction ------------------------------------------------------------------------
     def _evict(self, stream: Stream) -> None:
@@ -583,37 +624,32 @@ class DataCache:
         if win is None:
             return
         floor = win[0] - self.config.keep_consumed
-        # past the window by more than a prefetch reaches (a window, or a run's fetch_steps - 1):
+        # past the window by more than a prefetch reaches (a run starts within fetch_steps - 1 of it):
         # left by a reader that jumped back (a restore), never read in this pass
         reach = max(self.config.window, self.config.fetch_steps - 1)
-        old = [s for s in stream.ready if s < floor or s >= win[1] + reach]
-        for step in old:
-            cached = stream.ready.pop(step)
+        old = [f for f in stream.files.values() if f.end <= floor or f.first >= win[1] + reach]
+        for cached in old:
+            stream.drop(cached)
             shm.unlink(cached.path)  # readers holding a mapping keep their pages
         if old:
-            self.index.delete(*(_index_key(stream.job, stream.dp_rank, s) for s in old))
+            self.index.delete(*(_file_key(stream, f) for f in old))
 
 
-def split_steps(body: bytes, steps: list[int]) -> list[pa.Buffer]:
-    """One Arrow IPC stream holding ``steps``' record batches, in order, as one stream per step
-    (the schema, the step's batch with its metadata, the end marker: what a request for that
-    step alone returns). ValueError if the batches are not those steps."""
+def check_run(body: bytes, steps: list[int]) -> None:
+    """ValueError unless ``body`` is one Arrow IPC stream holding exactly ``steps``' record
+    batches, in order (each batch's ``step`` metadata says which): what a cached file of a run,
+    read by ``trainer_client``'s daemon source, must be."""
     reader = pa.ipc.open_stream(pa.py_buffer(body))
-    out: list[pa.Buffer] = []
     for step in steps:
         try:
-            batch, meta = reader.read_next_batch_with_custom_metadata()
+            meta = reader.read_next_batch_with_custom_metadata().custom_metadata
         except StopIteration:
             raise ValueError(f"the stream ends before step {step}") from None
         said = None if meta is None else meta.get(b"step")
         if said != str(step).encode():
             raise ValueError(f"the stream's batch for step {step} says step {said!r}")
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, reader.schema) as writer:
-            writer.write_batch(batch, custom_metadata=meta)
-        out.append(sink.getvalue())
     try:
         reader.read_next_batch()
     except StopIteration:
-        return out
+        return
     raise ValueError(f"the stream holds more than the {len(steps)} steps asked for")

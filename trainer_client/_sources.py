@@ -20,14 +20,27 @@ log = logging.getLogger(__name__)
 Step = tuple[StepBytes, pa.RecordBatch, dict[str, str]]
 
 
-def _one(step_bytes: StepBytes, step: int, origin: str) -> Step:
-    try:
-        batches = step_bytes.read()
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise CorruptError(f"step {step} from {origin} is not a valid Arrow IPC stream: {exc}") from exc
-    if len(batches) != 1 or batches[0][1].get("step") != str(step):
-        raise CorruptError(f"{origin} returned the wrong batch for step {step}")
-    return step_bytes, *batches[0]
+class _MappedFile:
+    """A cached file mapped by the reader: one step, or a run of consecutive steps (see
+    ``statestore.data_cache``), each read from the one mapping."""
+
+    def __init__(self, step_bytes: StepBytes, step: int, origin: str) -> None:
+        try:
+            batches = step_bytes.read()
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise CorruptError(f"step {step} from {origin} is not a valid Arrow IPC stream: {exc}") from exc
+        try:
+            steps = [int(meta["step"]) for _, meta in batches]
+        except (KeyError, ValueError):
+            steps = []
+        first = steps[0] if steps else -1
+        if steps != list(range(first, first + len(steps))) or step not in steps:
+            raise CorruptError(f"{origin} holds steps {steps[:3]}...{steps[-1:]}, not consecutive steps including {step}")
+        self.step_bytes = step_bytes
+        self.batches = {s: item for s, item in zip(steps, batches)}
+
+    def get(self, step: int) -> Step:
+        return self.step_bytes, *self.batches[step]
 
 
 class DaemonSource:
@@ -37,29 +50,40 @@ class DaemonSource:
         self.client = DaemonClient(socket_path, timeout_s)
         opened = self.client.call(Open(job, dp_rank, token))
         self.steps_dir = self.client.root / opened.steps
+        self._mapped: _MappedFile | None = None
+
+    def has(self, step: int) -> bool:
+        """Whether ``step`` is in the file mapped now (``get`` then makes no system call)."""
+        return self._mapped is not None and step in self._mapped.batches
 
     def get(self, step: int) -> Step:
-        # Already published: map it now; the get that moves our position is answered later.
+        mapped = self._mapped
+        if mapped is not None and step in mapped.batches:
+            # the daemon heard where we are on entering the file: it prefetches a run ahead of that
+            return mapped.get(step)
+        # A file named for the step (it starts there): map it now; the get that moves our
+        # position is answered later.
         path = self.steps_dir / step_file(step)
         try:
             step_bytes = StepBytes.map(path)
         except FileNotFoundError:
-            pass
+            path = self.client.root / self.client.call(Get(step)).path
+            try:
+                step_bytes = StepBytes.map(path)
+            except FileNotFoundError as exc:  # evicted between reply and open: only on a far replay
+                raise TransportError(f"cached step {step} vanished at {path}") from exc
         else:
             self.client.send(Get(step))
-            return _one(step_bytes, step, f"daemon cache {path}")
-        path = self.client.root / self.client.call(Get(step)).path
-        try:
-            step_bytes = StepBytes.map(path)
-        except FileNotFoundError as exc:  # evicted between reply and open: only on a far replay
-            raise TransportError(f"cached step {step} vanished at {path}") from exc
-        return _one(step_bytes, step, f"daemon cache {path}")
+        self._mapped = mapped = _MappedFile(step_bytes, step, f"daemon cache {path}")
+        return mapped.get(step)
 
     def invalidate(self, step: int) -> None:
         """Ask the daemon to drop its cached copy of ``step`` (it was planned before a re-plan)."""
+        self._mapped = None
         self.client.call(Invalidate(step))
 
     def close(self) -> None:
+        self._mapped = None
         self.client.close()
 
 

@@ -8,9 +8,11 @@ request's reply type, or ``{"ok": false, "status": S, "kind": K, "error": E}`` w
 names the ``dataserver.protocol.errors`` class the daemon raised. Replies come in request order,
 so a client may send several requests before reading their replies.
 
-Data: ``Open`` a reader's stream (job, dp rank), then ``Get`` each step: the reply names the
-published step file. The connection's last ``Get`` is the reader's position (it drives prefetch
-and eviction); closing the connection removes the reader but keeps its cached steps.
+Data: ``Open`` a reader's stream (job, dp rank), then ``Get`` a step: the reply names the
+published file holding it (a file holds one step, or a run of consecutive small steps, named for
+its first). The connection's last ``Get`` is the reader's position (it drives prefetch and
+eviction): a reader reading steps from a file it has mapped sends one on entering the file, not
+for each of its steps; closing the connection removes the reader but keeps its cached steps.
 
 State (``Checkpointer``): ``Alloc`` a role's slots, ``Begin`` a slot for a step, ``Commit`` it
 (the daemon checksums and records it; the reply hands out ``next``, the slot for the role's next
@@ -99,7 +101,7 @@ class OpenReply:
 
 @dataclass(frozen=True)
 class GetReply:
-    path: str  # the published step file, relative to the root
+    path: str  # the published file holding the step (it and maybe the next ones), relative to the root
     nbytes: int
     hit: bool  # cached before it was asked for
 

@@ -1,5 +1,5 @@
-"""Small steps are prefetched several per request and split into one file per step, each the
-same bytes a request for that step alone returns."""
+"""Small steps are prefetched several per request into one file, read by the reader from one
+mapping: each step the same batch a request for that step alone returns."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import httpx
 import pyarrow as pa
 import pytest
 
-from statestore.data_cache import split_steps
+from statestore.data_cache import check_run
 from statestore.dataservers import DataServers
-from statestore.protocol.files import step_file
 from tests._servers import TOKEN, Proc
 from tests.conftest import create_job
 from trainer_client import DataLoader
@@ -29,21 +28,17 @@ def _stream(steps: list[int]) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def test_split_steps_gives_each_step_its_own_stream() -> None:
-    parts = split_steps(_stream([5, 6, 7]), [5, 6, 7])
-    assert [p.to_pybytes() for p in parts] == [_stream([s]) for s in (5, 6, 7)]
-    reader = pa.ipc.open_stream(parts[1])
-    batch, meta = reader.read_next_batch_with_custom_metadata()
-    assert batch.column(0).to_pylist() == [6, 7] and meta[b"step"] == b"6"
+def test_check_run_takes_a_stream_of_exactly_the_steps_asked_for() -> None:
+    check_run(_stream([5, 6, 7]), [5, 6, 7])
 
 
 @pytest.mark.parametrize(
     ("asked", "error"),
     [([5, 6], "more than the 2 steps"), ([5, 6, 7, 8], "ends before step 8"), ([5, 7, 8], "for step 7 says step b'6'")],
 )
-def test_split_steps_refuses_a_stream_that_is_not_the_steps_asked_for(asked: list[int], error: str) -> None:
+def test_check_run_refuses_a_stream_that_is_not_the_steps_asked_for(asked: list[int], error: str) -> None:
     with pytest.raises(ValueError, match=error):
-        split_steps(_stream([5, 6, 7]), asked)
+        check_run(_stream([5, 6, 7]), asked)
 
 
 def test_runs_of_one_stream_take_turns_over_the_data_servers() -> None:
@@ -56,30 +51,57 @@ def test_runs_of_one_stream_take_turns_over_the_data_servers() -> None:
         assert sorted(servers.for_run("j1/0", 8, 4)) == sorted(servers.urls)  # each run can fail over to every server
 
 
-def test_small_steps_arrive_in_runs_byte_for_byte_as_single_fetches(
+def test_small_steps_arrive_in_runs_each_the_batch_a_single_fetch_returns(
     dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
 ) -> None:
     # 30 steps: the last run asked for crosses the job's end, is refused (416) and is fetched
     # again step by step, which finds the end as a single fetch does
     create_job(dataserver, dp=1, batch_per_rank=8, max_steps=30)
     daemon = start_daemon("--fetch-steps", "4")
-    cached: dict[int, bytes] = {}
+    read: dict[int, list[list[int]]] = {}
     loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock")
-    for i, _ in enumerate(loader):
-        cached[i] = (shm_root / "j1" / "data" / "0" / step_file(i)).read_bytes()  # in use: not evicted yet
-    assert sorted(cached) == list(range(30))
-    for step, body in cached.items():
+    for i, batch in enumerate(loader):
+        read[i] = batch["tokens"].tolist()
+    assert sorted(read) == list(range(30))
+    for step, tokens in read.items():
         alone = httpx.get(
             f"{dataserver.url}/v1/jobs/j1/batches",
             params={"dp_rank": 0, "start": step, "count": 1},
             headers={"Authorization": f"Bearer {TOKEN}"},
         )
-        assert alone.status_code == 200 and body == alone.content, f"step {step}"
+        batch, meta = pa.ipc.open_stream(alone.content).read_next_batch_with_custom_metadata()
+        assert meta[b"step"] == str(step).encode() and batch.column("tokens").to_pylist() == tokens, f"step {step}"
     stream = httpx.get(daemon.url + "/v1/cache").json()["streams"][0]
     # before: one request per step (30 or more; here ~20, some steps fetched alone for a reader
     # that outran the prefetch, and the runs past the end)
     assert stream["fetched"] >= 30 and stream["requests"] < stream["fetched"], stream
     assert stream["end_step"] == 30  # the run past the end was refused, and its steps alone found where it is
+
+
+def test_a_run_is_one_file_and_its_reader_tells_the_daemon_its_position_twice_a_file(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    # Runs of 16 behind a window of 4. A run was split into 16 files (16 creates, renames, index
+    # records, unlinks, maps), and the reader sent a Get every step: 160 for 160 steps. Now a run
+    # is one file, mapped once; the reader reports on entering a file and once the window passes
+    # its end (2 a file; a step it waits for is asked for instead of reported, not besides).
+    create_job(dataserver, dp=1, batch_per_rank=8, max_steps=1000)
+    daemon = start_daemon("--fetch-steps", "16", "--window", "4")
+    loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", end_step=160)
+    steps = []
+    for batch in loader:
+        steps.append(int(loader.next_step) - 1)
+        assert len(batch["tokens"]) == 8
+        time.sleep(0.005)  # a reader that computes: the prefetch keeps ahead of it
+        if len(steps) == 100:
+            names = sorted(p.name for p in (shm_root / "j1" / "data" / "0").glob("*.arrow"))
+            assert 1 <= len(names) <= 4, names  # files of 16 steps: the one read, the one before and the next
+    loader.close()
+    assert steps == list(range(160))
+    stream = httpx.get(daemon.url + "/v1/cache").json()["streams"][0]
+    gets = stream["hits"] + stream["misses"]
+    assert gets <= 2 * (160 // 16 + 2), stream
+    assert stream["files"] * 16 >= len(stream["steps"]) and stream["files"] <= 4, stream
 
 
 def test_a_run_reaches_fetch_steps_past_the_window_not_only_a_window(

@@ -1,6 +1,6 @@
 """A training-loop stand-in run as a real process: reads batches, records each, checkpoints.
 
-Usage: python -m tests.trainer_client._reader_worker JOB DP_RANK OUT_DIR [--stall-after N]
+Usage: python -m tests.trainer_client._reader_worker JOB DP_RANK OUT_DIR [--stall-after N] [--step-s S]
 Appends ``step sha256`` per batch to OUT_DIR/steps.txt and saves the loader state to
 OUT_DIR/state.json (atomically) after each step, resuming from it if present.
 """
@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("dp_rank", type=int)
     p.add_argument("out", type=Path)
     p.add_argument("--stall-after", type=int, default=None, help="sleep forever after this many steps")
+    p.add_argument("--step-s", type=float, default=0.0, help="seconds of 'training' per step")
     args = p.parse_args()
     loader = DataLoader(args.job, args.dp_rank)
     state_file = args.out / "state.json"
@@ -42,6 +43,7 @@ def main() -> None:
             tmp.write_text(json.dumps(loader.state_dict()))
             os.replace(tmp, state_file)
             done += 1
+            time.sleep(args.step_s)
             if args.stall_after is not None and done >= args.stall_after:
                 while True:
                     time.sleep(1)

@@ -132,10 +132,12 @@ def test_nanogpt_loop_resumes_at_the_batch_after_the_saved_step_and_micro_batche
     ckpt.close()
 
 
-def _reader(out: Path, dataserver: Proc, sock: Path, rank: int = 0) -> subprocess.Popen[bytes]:
+def _reader(out: Path, dataserver: Proc, sock: Path, rank: int = 0, *args: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "FFPLANE_DATASERVER": dataserver.url, "FFPLANE_TOKEN": TOKEN, "FFPLANE_DAEMON_SOCKET": str(sock)}
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.trainer_client._reader_worker", "j1", str(rank), str(out)], env=env, cwd=Path(__file__).parents[2]
+        [sys.executable, "-m", "tests.trainer_client._reader_worker", "j1", str(rank), str(out), *args],
+        env=env,
+        cwd=Path(__file__).parents[2],
     )
 
 
@@ -161,7 +163,8 @@ def test_reader_sigkilled_mid_epoch_resumes_byte_identical(
         expected = _steps(ref)
         kills = 0
         while True:
-            p = _reader(crashy, dataserver, sock)
+            # a step that computes: a reader of cached steps alone finished before the kill landed
+            p = _reader(crashy, dataserver, sock, 0, "--step-s", "0.01")
             lines = (crashy / "steps.txt").read_text().count("\n") if (crashy / "steps.txt").exists() else 0
             target = lines + 7 + kills  # different offsets each time
             deadline = time.monotonic() + 60
