@@ -17,6 +17,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from statestore.protocol import files
@@ -128,13 +129,19 @@ class _StepReduce:
     """A DDP comm hook: every bucket of a step waits, and the last one all-reduces all of the
     step's gradients in one flat buffer laid out in the model's parameter order (one buffer per
     dtype), so the result does not depend on DDP's bucket layout. The example job (4 ranks,
-    bench/step_cost.py): 938 steps/min; per-tensor collectives 357; DDP's buckets 978."""
+    bench/step_cost.py): 938 steps/min; per-tensor collectives 357; DDP's buckets 978.
+
+    DDP keeps its bucket layout from its second step on, so the plan (which gradient goes where
+    in the flat buffer, and the buffer itself) is made when the layout is new and reused while the
+    step's buckets are the same buffers: a steady step is two list copies, a divide and the
+    all-reduce, with no Python per gradient."""
 
     def __init__(self, model: Any, mark: Callable[[int], None]) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._order: dict[int, int] = {}
         self._mark = mark
         self._waiting: list[tuple[Any, Any]] = []  # (bucket, its future) until the step's last bucket
+        self._plan: _Plan | None = None
 
     def __call__(self, process_group: Any, bucket: Any) -> Any:
         import torch
@@ -150,30 +157,42 @@ class _StepReduce:
             self._reduce(process_group, waiting)
         return fut
 
+    def _plan_for(self, waiting: list[tuple[Any, Any]]) -> _Plan:
+        layout = tuple((b.index(), (buf := b.buffer()).data_ptr(), buf.numel()) for b, _ in waiting)
+        if self._plan is not None and self._plan.layout == layout:
+            return self._plan
+        if not self._order:  # parameters keep their storage for the run (optimizers update in place)
+            self._order = {p.data_ptr(): i for i, p in enumerate(self.params)}
+        grads = sorted(
+            ((self._order[p.data_ptr()], g) for bucket, _ in waiting for p, g in zip(bucket.parameters(), bucket.gradients())),
+            key=lambda item: item[0],
+        )
+        by_dtype: dict[Any, list[Any]] = {}
+        for _, g in grads:  # views into the bucket buffers: they stay while the buffers do
+            by_dtype.setdefault(g.dtype, []).append(g)
+        self._plan = _Plan(layout, [_Flat.of(gs) for gs in by_dtype.values()])
+        return self._plan
+
     def _reduce(self, process_group: Any, waiting: list[tuple[Any, Any]]) -> None:
         import torch
         import torch.distributed as dist
 
-        if not self._order:  # parameters keep their storage for the run (optimizers update in place)
-            self._order = {p.data_ptr(): i for i, p in enumerate(self.params)}
+        from trainer_client._copy import copy_all
+
         group = process_group if process_group is not None else dist.group.WORLD
         world = dist.get_world_size(group)
         try:
-            grads = sorted(
-                ((self._order[p.data_ptr()], g) for bucket, _ in waiting for p, g in zip(bucket.parameters(), bucket.gradients())),
-                key=lambda item: item[0],
-            )
-            by_dtype: dict[Any, list[Any]] = {}
-            for _, g in grads:
-                by_dtype.setdefault(g.dtype, []).append(g)
-            flats = [(torch.cat([g.reshape(-1) for g in gs]).div_(world), gs) for gs in by_dtype.values()]
+            flats = self._plan_for(waiting).flats
+            for f in flats:
+                copy_all(f.gather, None, 1)
+                f.flat.div_(world)
         except BaseException as exc:
             for _, fut in waiting:
                 fut.set_exception(exc)
             raise
         self._mark(1)  # the link is busy until finish() runs
         try:
-            futs = [dist.all_reduce(flat, group=group, async_op=True).get_future() for flat, _ in flats]
+            futs = [dist.all_reduce(f.flat, group=group, async_op=True).get_future() for f in flats]
         except BaseException as exc:
             self._mark(-1)
             for _, fut in waiting:
@@ -185,8 +204,10 @@ class _StepReduce:
             try:
                 for f in done.value():
                     f.value()  # re-raises a failed all-reduce
-                for flat, gs in flats:
-                    _scatter(flat, gs)
+                for f in flats:
+                    # one list copy, not a slice, view and copy per gradient on gloo's thread,
+                    # which held the GIL for them
+                    copy_all(f.scatter, None, 1)
             except BaseException as exc:
                 for _, fut in waiting:
                     fut.set_exception(exc)
@@ -197,13 +218,28 @@ class _StepReduce:
         torch.futures.collect_all(futs).then(finish)
 
 
-def _scatter(flat: Any, grads: list[Any]) -> None:
-    """``flat``'s consecutive pieces back into ``grads``, as one list copy (``copy_all``), not a
-    slice, a view and a copy per gradient in Python on gloo's thread, which held the GIL for them."""
-    from trainer_client._copy import copy_all
+@dataclass
+class _Flat:
+    """One dtype's flat buffer in parameter order and the copies into it and back out."""
 
-    parts = flat.split([g.numel() for g in grads])
-    copy_all([(g, part.view_as(g)) for g, part in zip(grads, parts)], None, 1)
+    flat: Any
+    gather: list[tuple[Any, Any]]  # (part of flat, gradient)
+    scatter: list[tuple[Any, Any]]  # (gradient, part of flat)
+
+    @classmethod
+    def of(cls, grads: list[Any]) -> _Flat:
+        """A new buffer holding ``grads`` (one dtype, any strides) one after another."""
+        import torch
+
+        flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)
+        parts = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        return cls(flat, list(zip(parts, grads)), list(zip(grads, parts)))
+
+
+@dataclass
+class _Plan:
+    layout: tuple[tuple[int, int, int], ...]  # (index, buffer address, numel) of each bucket of a step
+    flats: list[_Flat]
 
 
 def _annotated(hook: Any) -> Any:

@@ -1,5 +1,5 @@
 """One rank of a small DDP job for test_link_hints: trains 4 steps with the given bucket size and
-comm hook, counts all-reduce calls, writes its final weights.
+comm hook, counts all-reduce calls and the step hook's plans, writes its final weights.
 python _hook_worker.py RANK WORLD INIT_FILE HINTS_ROOT BUCKET_MB HOOK OUT"""
 
 from __future__ import annotations
@@ -15,7 +15,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer_client import LinkHints  # noqa: E402
+from trainer_client import LinkHints, link_hints  # noqa: E402
+
+plans = [0]
+
+
+class _CountedPlan(link_hints._Plan):
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        plans[0] += 1
+
+
+link_hints._Plan = _CountedPlan  # type: ignore[misc]  # how often the step hook laid out its buffers
 
 
 def main() -> None:
@@ -46,7 +57,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    torch.save({"calls": calls[0], "weights": [p.detach().clone() for p in model.parameters()]}, out)
+    torch.save({"calls": calls[0], "plans": plans[0], "weights": [p.detach().clone() for p in model.parameters()]}, out)
     hints.close()
     # DDP before its process group, and collected now (the comm hook's state keeps it in a cycle):
     # freed at interpreter exit instead, after the group, a rank died with "terminate called
