@@ -56,6 +56,11 @@ class DaemonSource:
         """Whether ``step`` is in the file mapped now (``get`` then makes no system call)."""
         return self._mapped is not None and step in self._mapped.batches
 
+    @property
+    def mapped(self) -> StepBytes | None:
+        """The memory of the file mapped now."""
+        return None if self._mapped is None else self._mapped.step_bytes
+
     def get(self, step: int) -> Step:
         mapped = self._mapped
         if mapped is not None and step in mapped.batches:

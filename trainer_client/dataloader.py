@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import pyarrow as pa
@@ -146,8 +147,13 @@ class DataLoader:
         starts = [g for g in self._generations if g <= step]
         return starts[-1] if starts else None
 
-    def _fetch(self, step: int) -> _Fetched:
+    def _fetch(self, step: int, here: bool = False) -> _Fetched:
+        """Step ``step``: on the look-ahead thread, or ``here`` on the training thread when
+        ``_here`` says it is in the file mapped already."""
+        mapped = self._source.mapped if here and isinstance(self._source, DaemonSource) else None
         while len(self._held) > _HELD_STEPS:  # on the look-ahead thread: unmapped here
+            if here and self._held[0][0] is not mapped:
+                break  # it may be a file's last reference: its unmap waits for the look-ahead thread
             _, pinned = self._held.popleft()
             if pinned is not None:
                 pinned.release()  # unpinned before the unmap, once its copy is done
@@ -189,19 +195,33 @@ class DataLoader:
             self._source = self._connect()
             return self._source.get(step)
 
-    def _get(self, step: int) -> _Fetched:
-        """Step ``step``, fetched by the look-ahead thread (``_prefetch`` starts it on the next).
+    def _here(self, step: int) -> bool:
+        """Whether ``step`` is read on the training thread: it is in the cache file the source
+        has mapped already (a run of small steps: no system call to make), with nothing to stage
+        on a device or pin. Handing such a step to the look-ahead thread cost more than reading
+        it: a wake-up, a switch and a wait for the GIL each step (bench/step_cost.py)."""
+        src = self._source
+        return self.device is None and not self.pin_memory and isinstance(src, DaemonSource) and src.has(step)
 
-        Every source call happens on that one thread, so sources need no locking; its
-        exceptions re-raise here, in the training thread.
+    def _get(self, step: int) -> _Fetched:
+        """Step ``step``, fetched by the look-ahead thread (``_prefetch`` starts it on the next),
+        or read here when ``_here``.
+
+        Every source call happens on one thread at a time (the look-ahead thread's call is over
+        before the training thread makes one), so sources need no locking; the look-ahead
+        thread's exceptions re-raise here, in the training thread.
         """
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-loader-{self.job}-{self.dp_rank}")
-        if self._ahead is not None and self._ahead[0] == step:
-            fut = self._ahead[1]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step:
+            fut = ahead[1]
         else:
+            if ahead is not None:  # a look-ahead for another step (the loop jumped): let it finish
+                futures_wait([ahead[1]], timeout=self.timeout_s)
+            if self._here(step):
+                return self._fetch(step, here=True)
             fut = self._pool.submit(self._fetch, step)
-        self._ahead = None
         try:
             result = fut.result(timeout=self.timeout_s)
         except FutureTimeout as exc:
@@ -215,7 +235,7 @@ class DataLoader:
         thread waited for the GIL rather than while it computed (bench/reader_steps.py measures
         the wait; docs/decisions.md, "Data path, third pass")."""
         assert self._pool is not None
-        if self.end_step is None or step < self.end_step:
+        if (self.end_step is None or step < self.end_step) and not self._here(step):
             self._ahead = (step, self._pool.submit(self._fetch, step))
 
     # --- iteration -----------------------------------------------------------------------

@@ -432,6 +432,38 @@ def test_the_loader_unmaps_steps_two_behind_not_the_training_thread_at_once(
     loader.close()
 
 
+def test_steps_of_a_mapped_run_are_read_on_the_training_thread_and_old_files_unmapped_off_it(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step in the run file the loader has mapped is read where it is asked for: handing it to
+    the look-ahead thread cost a wake-up, a switch and a wait for the GIL every step. Only a step
+    in another file goes to that thread, which also drops the files read before (their unmap)."""
+    import threading
+
+    from trainer_client._sources import DaemonSource
+
+    threads: Counter[str] = Counter()
+    real_get = DaemonSource.get
+
+    def get(self: DaemonSource, step: int) -> Any:
+        threads["training" if threading.current_thread() is threading.main_thread() else "look-ahead"] += 1
+        return real_get(self, step)
+
+    monkeypatch.setattr(DaemonSource, "get", get)
+    create_job(dataserver, max_steps=1000)
+    start_daemon("--fetch-steps", "16", "--window", "4")
+    loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", end_step=96)
+    steps_dir = shm_root / "j1" / "data" / "0"
+    mapped_files = []
+    for _ in loader:
+        time.sleep(0.005)  # a step that computes: the prefetch keeps a run ahead
+        mapped_files.append(len(_mapped_steps(steps_dir)))
+    loader.close()
+    assert threads["training"] + threads["look-ahead"] == 96
+    assert threads["look-ahead"] <= 96 // 16 + 4, threads  # one a file (the first steps may come alone)
+    assert max(mapped_files) <= 3, mapped_files  # the file read, the one before it (until the next entry), at most one more
+
+
 def test_device_is_checked_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="'cpu' or a CUDA device"):
         DataLoader("j1", 0, socket_path="/nonexistent.sock", device="mps")
