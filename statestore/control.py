@@ -159,7 +159,7 @@ class ControlServer:
         except FFPlaneError:
             return None  # none free now (a durable copy holds it): the next save sends 'begin'
         conn.writing.add((job, role, slot))
-        return proto.Grant(slot, str(self.state.root / slot))
+        return proto.Grant(slot, f"{self.state.root}/{slot}")
 
     def _register(self, rid: int, conn: _Conn, **what: object) -> None:
         if self.heartbeat is not None:

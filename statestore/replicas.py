@@ -89,6 +89,7 @@ def _key(job: str, role: str, step: int) -> str:
 class ReplicaStore:
     def __init__(self, root: Path, index: Index, free_bytes: Callable[[], int]) -> None:
         self.root = root
+        self._root = str(root)  # the per-push paths are strings (see index.write_sidecar)
         self.index = index
         self._free_bytes = free_bytes  # () -> budget left for anything new
         self.complete: dict[tuple[str, str], dict[int, Replica]] = {}
@@ -194,14 +195,14 @@ class ReplicaStore:
                     f"{max(room, 0) / 2**20:.1f} MiB of the daemon's budget left; raise --budget-mb",
                 )
             rel = f"{job}/replica/{role}/{step:012d}"
-            part = self.root / f"{rel}.part"
+            part = self._at(f"{rel}.part")
             sink = None
             if spare is not None:
-                os.rename(self.root / spare.rel, part)
+                os.rename(self._at(spare.rel), part)
                 sink = spare.mm
                 self.reused_files += 1
             else:
-                shm.private_dir(part.parent)
+                shm.private_dir(Path(part).parent)
                 fd = shm.open_private(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 try:
                     shm.presize(fd, nbytes)
@@ -238,6 +239,9 @@ class ReplicaStore:
         if not known:
             self.statics.pop((job, role), None)
 
+    def _at(self, rel: str) -> str:
+        return f"{self._root}/{rel}"
+
     def sink(self, job: str, role: str, step: int) -> tuple[_Incoming, memoryview]:
         """A transfer begun here, and its whole file mapped writable: a bulk receive lands the
         bytes there straight from the socket and reports them with ``landed``."""
@@ -247,7 +251,7 @@ class ReplicaStore:
         if inc.meta.nbytes == 0:
             return inc, memoryview(b"")
         if inc.sink is None:
-            fd = os.open(self.root / inc.meta.path.replace(".bin", ".part"), os.O_RDWR)
+            fd = os.open(self._at(inc.meta.path.replace(".bin", ".part")), os.O_RDWR)
             try:
                 inc.sink = mmap.mmap(fd, max(inc.meta.nbytes, 1))
             finally:
@@ -276,7 +280,7 @@ class ReplicaStore:
         async with inc.lock:
             if offset != inc.received:
                 raise TransferOrderError(f"body at offset {offset} but {inc.received} bytes received so far; resume from there")
-            fd = os.open(self.root / inc.meta.path.replace(".bin", ".part"), os.O_WRONLY)
+            fd = os.open(self._at(inc.meta.path.replace(".bin", ".part")), os.O_WRONLY)
             out = shm.PageWriter(fd, inc.received, on_write=inc.hasher.update)
             arrived = inc.received
             try:
@@ -318,15 +322,15 @@ class ReplicaStore:
             r = inc.meta
             if inc.received != r.nbytes:
                 raise TransferOrderError(f"only {inc.received} of {r.nbytes} bytes of {role} step {step} received")
-            part = self.root / r.path.replace(".bin", ".part")
+            part = self._at(r.path.replace(".bin", ".part"))
             digest = inc.hasher.hexdigest()  # hashed while it arrived: no second pass
             self._incoming.pop(key, None)
             if digest != r.checksum:
                 _close(inc.sink)
-                part.unlink(missing_ok=True)
+                shm.unlink(part)
                 raise CorruptError(f"{role} step {step} arrived with checksum {digest}, expected {r.checksum}; discarded, send it again")
             self._forget_map(r.path)  # a replaced version's old mapping must not serve its bytes
-            os.rename(part, self.root / r.path)
+            os.rename(part, self._at(r.path))
             if inc.sink is not None:  # readable too: reads (a pull, a forward) need no mapping of their own
                 self._maps[r.path] = inc.sink
                 self._writable.add(r.path)
@@ -344,7 +348,7 @@ class ReplicaStore:
             # a crash leaves no entry for a deleted file
             self.index.put(_key(job, role, step), entry, replacing=(_key(job, role, s) for s in stale))
             indexed = time.perf_counter()
-            write_sidecar(self.root / r.path, entry)  # what a rebuild of a lost index adopts (after verifying it)
+            write_sidecar(self._at(r.path), entry)  # what a rebuild of a lost index adopts (after verifying it)
             self.finish_parts.add("index", indexed - recorded)
             self.finish_parts.add("sidecar", time.perf_counter() - indexed)
             versions[step] = r
@@ -378,7 +382,7 @@ class ReplicaStore:
     def _drop_incoming(self, key: tuple[str, str, int]) -> None:
         inc = self._incoming.pop(key)
         _close(inc.sink)
-        (self.root / inc.meta.path.replace(".bin", ".part")).unlink(missing_ok=True)
+        shm.unlink(self._at(inc.meta.path.replace(".bin", ".part")))
 
     def _forget_map(self, rel: str) -> None:
         self._writable.discard(rel)
@@ -397,8 +401,8 @@ class ReplicaStore:
             mm = None
         self._writable.discard(r.path)
         spare = f"{r.job}/replica/{r.role}/{SPARE}"
-        os.rename(self.root / r.path, self.root / spare)
-        remove_sidecar(self.root / r.path)
+        os.rename(self._at(r.path), self._at(spare))
+        remove_sidecar(self._at(r.path))
         self._spares[key] = _Spare(spare, r.nbytes, mm)
 
     def _release_spares(self) -> None:
@@ -408,12 +412,12 @@ class ReplicaStore:
 
     def _unlink_spare(self, spare: _Spare) -> None:
         _close(spare.mm)
-        (self.root / spare.rel).unlink(missing_ok=True)
+        shm.unlink(self._at(spare.rel))
 
     def _unlink(self, r: Replica) -> None:
         self._forget_map(r.path)
-        (self.root / r.path).unlink(missing_ok=True)
-        remove_sidecar(self.root / r.path)
+        shm.unlink(self._at(r.path))
+        remove_sidecar(self._at(r.path))
 
     def drop(self, job: str, role: str, step: int) -> None:
         """Forget a replica or pulled shard that failed its checksum (its file goes too)."""

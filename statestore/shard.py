@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from statestore.protocol.checksum import checksum
@@ -49,8 +48,8 @@ class LocalShard:
                 return self.static, static, step_part
         return "", {}, self.header
 
-    def path(self) -> Path:
-        return (self._slots if self.kind == "primary" else self._replicas).root / self.rel
+    def path(self) -> str:
+        return f"{(self._slots if self.kind == 'primary' else self._replicas).root}/{self.rel}"
 
     def view(self) -> memoryview:
         store = self._slots if self.kind == "primary" else self._replicas

@@ -205,5 +205,8 @@ def reclaim_stale(root: Path) -> int:
     return n
 
 
-def unlink(path: Path) -> None:
-    path.unlink(missing_ok=True)
+def unlink(path: Path | str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

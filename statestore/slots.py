@@ -90,6 +90,7 @@ def version_key(job: str, role: str, step: int) -> str:
 class SlotStore:
     def __init__(self, root: Path, index: Index, budget_bytes: int, used_elsewhere: Any) -> None:
         self.root = root
+        self._root = str(root)  # the per-save paths are strings (see index.write_sidecar)
         self.index = index
         self.budget_bytes = budget_bytes
         self._used_elsewhere = used_elsewhere  # () -> bytes the data cache holds
@@ -271,7 +272,7 @@ class SlotStore:
         entry = encode(version.index_entry())  # once, for the index and the sidecar
         self.index.put(version_key(job, role, step), entry, replacing=(version_key(job, role, s) for s in stale))
         indexed = time.perf_counter()
-        write_sidecar(self.root / slot, entry)  # what a rebuild of a lost index adopts (after verifying it)
+        write_sidecar(f"{self._root}/{slot}", entry)  # what a rebuild of a lost index adopts (after verifying it)
         parts = self.commit_parts
         parts.add("checksum", hashed - started)
         parts.add("index", indexed - recorded)
@@ -280,7 +281,7 @@ class SlotStore:
         rs.writing.pop(slot, None)
         dropped = {rs.versions[s].path for s in stale}
         for old in stale:
-            remove_sidecar(self.root / rs.versions.pop(old).path)
+            remove_sidecar(f"{self._root}/{rs.versions.pop(old).path}")
         if stale:
             self._release_unreferenced(rs, dropped - set(rs.paths))
         if len(rs.statics) > 1:
