@@ -14,8 +14,8 @@ nothing): then a prefetch asks for ``fetch_steps`` consecutive steps in one requ
 named for its first step (``check_run``). A reader maps such a file once and reads each of its steps
 from that mapping, telling the daemon where it is only on entering a file, when the next run is
 fetched (runs start while a missing step is within ``fetch_steps - 1`` past the window): per small
-step no file is created, renamed, indexed, unlinked or mapped and no request is sent. A run that fails is fetched again step by step,
-so its errors are exactly those of single fetches.
+step no file is created, renamed, indexed, unlinked or mapped and no request is sent. A run that
+fails is fetched again step by step, so its errors are exactly those of single fetches.
 """
 
 from __future__ import annotations

@@ -199,7 +199,8 @@ class DataLoader:
         """Whether ``step`` is read on the training thread: it is in the cache file the source
         has mapped already (a run of small steps: no system call to make), with nothing to stage
         on a device or pin. Handing such a step to the look-ahead thread cost more than reading
-        it: a wake-up, a switch and a wait for the GIL each step (bench/step_cost.py)."""
+        it: a wake-up, a switch and a wait for the GIL each step (docs/decisions.md, "The DataLoader's
+        look-ahead thread")."""
         src = self._source
         return self.device is None and not self.pin_memory and isinstance(src, DaemonSource) and src.has(step)
 
