@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pyarrow as pa
@@ -78,48 +79,44 @@ def test_small_steps_arrive_in_runs_each_the_batch_a_single_fetch_returns(
     assert stream["end_step"] == 30  # the run past the end was refused, and its steps alone found where it is
 
 
-def test_a_run_is_one_file_and_its_reader_tells_the_daemon_its_position_once_a_file(
-    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
-) -> None:
-    # Runs of 16 behind a window of 4. A run was split into 16 files (16 creates, renames, index
-    # records, unlinks, maps), and the reader sent a Get every step: 160 for 160 steps. Now a run
-    # is one file, mapped once, and the reader reports on entering a file (~11 files here: the
-    # first step comes alone, as the step a reader waits for; a step it outran the prefetch to
-    # also does), and the daemon fetches the next run on that report.
+def _steady_read(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> tuple[dict[str, Any], list[str]]:
+    """160 steps read by a reader that computes (the prefetch keeps ahead of it), behind runs of
+    16 and a window of 4, of a job that runs on past them (no run meets its end): the daemon's
+    account of the stream, and the cache's files when the reader is at step 100."""
     create_job(dataserver, dp=1, batch_per_rank=8, max_steps=1000)
     daemon = start_daemon("--fetch-steps", "16", "--window", "4")
     loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", end_step=160)
-    steps = []
+    steps, names = [], []
     for batch in loader:
         steps.append(int(loader.next_step) - 1)
         assert len(batch["tokens"]) == 8
-        time.sleep(0.005)  # a reader that computes: the prefetch keeps ahead of it
+        time.sleep(0.005)
         if len(steps) == 100:
             names = sorted(p.name for p in (shm_root / "j1" / "data" / "0").glob("*.arrow"))
-            assert 1 <= len(names) <= 4, names  # files of 16 steps: the one read, the one before and the next
     loader.close()
     assert steps == list(range(160))
-    stream = httpx.get(daemon.url + "/v1/cache").json()["streams"][0]
-    gets = stream["hits"] + stream["misses"]
-    assert gets <= 20, stream
+    return httpx.get(daemon.url + "/v1/cache").json()["streams"][0], names
+
+
+def test_a_run_is_one_file_and_its_reader_tells_the_daemon_its_position_once_a_file(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    # A run was split into 16 files (16 creates, renames, index records, unlinks, maps), and the
+    # reader sent a Get every step: 160 for 160 steps. Now a run is one file, mapped once, and the
+    # reader reports on entering a file (~11 files here: the first step comes alone, as the step
+    # a reader waits for; a step it outran the prefetch to also does), and the daemon fetches the
+    # next run on that report.
+    stream, names = _steady_read(dataserver, start_daemon, shm_root)
+    assert 1 <= len(names) <= 4, names  # files of 16 steps: the one read, the one before and the next
+    assert stream["hits"] + stream["misses"] <= 20, stream
     assert stream["files"] * 16 >= len(stream["steps"]) and stream["files"] <= 4, stream
 
 
 def test_a_run_reaches_fetch_steps_past_the_window_not_only_a_window(
     dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
 ) -> None:
-    # runs of 16 behind a window of 4: a request brings 16 new steps. When a run could reach only
-    # a window past the window, a steady reader got ~5 steps a request, and the data server's
-    # per-request CPU was paid 3x as often (bench/step_cost.py's data server column). The job
-    # runs on past what is read, so no run meets its end (that one is fetched step by step).
-    create_job(dataserver, dp=1, batch_per_rank=8, max_steps=1000)
-    daemon = start_daemon("--fetch-steps", "16", "--window", "4")
-    loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", end_step=160)
-    served = 0
-    for _ in loader:
-        served += 1
-        time.sleep(0.005)  # a reader that computes: the prefetch keeps ahead of it
-    loader.close()
-    assert served == 160
-    stream = httpx.get(daemon.url + "/v1/cache").json()["streams"][0]
+    # A request brings 16 new steps. When a run could reach only a window past the window, a
+    # steady reader got ~5 steps a request, and the data server's per-request CPU was paid 3x as
+    # often (bench/step_cost.py's data server column).
+    stream, _ = _steady_read(dataserver, start_daemon, shm_root)
     assert stream["fetched"] >= 160 and stream["requests"] <= stream["fetched"] // 8, stream
