@@ -19,7 +19,7 @@ from typing import Any
 
 import lmdb
 
-from statestore.shm import TMP_MARK
+from statestore.shm import TMP_MARK, unlink
 
 SIDECAR = ".meta"
 
@@ -98,7 +98,7 @@ def encode(value: dict[str, Any]) -> bytes:
 
 
 # Sidecar paths are strings: a save writes one and removes one on each side, and building them
-# with pathlib was a fifth of a daemon's CPU for a save (cProfile of the example job's daemons).
+# with pathlib was a fifth of a daemon's CPU for a save (bench/daemon_profile.py).
 
 
 def write_sidecar(file: Path | str, value: dict[str, Any] | bytes) -> None:
@@ -122,7 +122,4 @@ def read_sidecar(file: Path) -> dict[str, Any] | None:
 
 
 def remove_sidecar(file: Path | str) -> None:
-    try:
-        os.unlink(f"{file}{SIDECAR}")
-    except FileNotFoundError:
-        pass
+    unlink(f"{file}{SIDECAR}")
