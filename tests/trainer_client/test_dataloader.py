@@ -442,11 +442,11 @@ def test_steps_of_a_mapped_run_are_read_on_the_training_thread_and_old_files_unm
 
     from trainer_client._sources import DaemonSource
 
-    threads: Counter[str] = Counter()
+    on_thread: dict[int, bool] = {}  # step → read on the look-ahead thread
     real_get = DaemonSource.get
 
     def get(self: DaemonSource, step: int) -> Any:
-        threads["training" if threading.current_thread() is threading.main_thread() else "look-ahead"] += 1
+        on_thread[step] = threading.current_thread() is not threading.main_thread()
         return real_get(self, step)
 
     monkeypatch.setattr(DaemonSource, "get", get)
@@ -454,14 +454,18 @@ def test_steps_of_a_mapped_run_are_read_on_the_training_thread_and_old_files_unm
     start_daemon("--fetch-steps", "16", "--window", "4")
     loader = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock", end_step=96)
     steps_dir = shm_root / "j1" / "data" / "0"
-    mapped_files = []
+    mapped = []  # the files this process maps after each step
     for _ in loader:
         time.sleep(0.005)  # a step that computes: the prefetch keeps a run ahead
-        mapped_files.append(len(_mapped_steps(steps_dir)))
+        mapped.append(_mapped_steps(steps_dir))
     loader.close()
-    assert threads["training"] + threads["look-ahead"] == 96
-    assert threads["look-ahead"] <= 96 // 16 + 4, threads  # one a file (the first steps may come alone)
-    assert max(mapped_files) <= 3, mapped_files  # the file read, the one before it (until the next entry), at most one more
+    assert sorted(on_thread) == list(range(96))
+    assert sum(on_thread.values()) <= 96 // 16 + 4, on_thread  # one a file (the first steps may come alone)
+    for i in range(1, 96):
+        if mapped[i - 1] - mapped[i]:  # a file went between step i-1 and step i: its unmap ran on the
+            # look-ahead thread, fetching step i or (started before step i was handed out) step i + 1
+            assert on_thread[i] or on_thread.get(i + 1, False), f"step {i}: {sorted(mapped[i - 1])} -> {sorted(mapped[i])}"
+    assert max(len(m) for m in mapped) <= 3, mapped  # the file read, the one before it (until the next entry), at most one more
 
 
 def test_device_is_checked_before_anything_starts() -> None:
