@@ -77,11 +77,18 @@ class Encoded:
     # each tensor's TensorRef as the header holds it (a dict: built once, shared by every header
     # of this save; a dataclass per tensor, then a dict per tensor again, cost 1.2 µs a tensor)
     tensors: list[dict[str, Any]] = field(default_factory=list)
+    # per tensor, what its entry says as one tuple (storage, offset, dtype, requires_grad, shape,
+    # stride): the next save compares it with one C-level ``==`` instead of six dict lookups
+    # and two lists made per tensor (encode's steady path)
+    tensor_keys: list[tuple[Any, ...]] = field(default_factory=list)
     tree: Any = None
     stream_nbytes: dict[str, int] = field(default_factory=lambda: {"replicated": 0, "private": 0})
     # (address, bytes) as one int for a host storage, (device, address, bytes) otherwise → index in
     # storages (an int key, not a tuple: one object fewer per storage outliving every save)
     storage_ids: dict[int | tuple[str, int, int], int] = field(default_factory=dict)
+    # per storage, (that key, stream, offset): the next save takes this save's entry and view
+    # where its storage is the same one at the same place
+    storage_places: list[tuple[Any, str, int]] = field(default_factory=list)
     # the header's storage list, built once and kept by later saves while their storages are these
     storage_dicts: list[dict[str, Any]] | None = None
     # which storages, at which places in the streams, through which source views: the previous
@@ -148,6 +155,7 @@ _GENERATIONS = itertools.count()  # Encoded.generation
 _TAGS: list[dict[str, int]] = []  # {_TENSOR_TAG: i}, one per i, shared by every tree (never mutated)
 _TAGS_MAX = 1 << 16  # past this many tensors a marker is made per save (bounded memory)
 _TAGS_GROW = threading.Lock()  # saves may run on several threads (DCP's async save)
+_PLAIN = frozenset({int, str, bool, type(None)})  # leaves saved as they are (a float may be inf or nan)
 
 
 def _tag(ref: int) -> dict[str, int]:
@@ -160,8 +168,9 @@ def _tag(ref: int) -> dict[str, int]:
     return _TAGS[ref]
 
 
-def _key(path: tuple[str | int, ...]) -> str:
-    return "".join(f"[{p!r}]" for p in path) or "<root>"
+def _key(path: tuple[str | int, ...], at: str | int | None = None) -> str:
+    """``path`` (and then ``at``) as the subscripts that reach it from the state."""
+    return "".join(f"[{p!r}]" for p in (path if at is None else (*path, at))) or "<root>"
 
 
 def encode(
@@ -181,22 +190,32 @@ def encode(
     construction: a view keeps its storage alive, so no other storage can take its address.
     """
     enc = Encoded()
-    prev_ids, prev_sources = (previous.storage_ids, previous.sources) if previous is not None else ({}, [])
     # what is the same as in the previous save is that save's object again: a save's header then
     # leaves a few dozen new objects alive rather than five per tensor, and the collector, which
     # runs for every ~700 objects left alive, hardly runs for a save (_collector's docstring)
-    prev_tensors, prev_storages = (previous.tensors, previous.storages) if previous is not None else ([], [])
+    fresh = previous is None
+    if previous is None:
+        previous = Encoded()
+    prev_tensors, prev_keys = previous.tensors, previous.tensor_keys
+    prev_storages, prev_sources, prev_places = previous.storages, previous.sources, previous.storage_places
+    storages, sources, storage_ids, places = enc.storages, enc.sources, enc.storage_ids, enc.storage_places
+    tensors, keys, stream_nbytes = enc.tensors, enc.tensor_keys, enc.stream_nbytes
+    names, strided, tensor_type, tags = _NAMES, torch.strided, torch.Tensor, _TAGS
     # looked up once per save, not per tensor (see _is_dtensor: a process with DTensors has the module)
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
+    # The walk runs once per save over every node of the state, so leaves that need nothing (a
+    # number, a string, a plain tensor) are handled in their container's loop: no call and no
+    # path made for them. A path is made only for a node walked into, and named only in errors.
     def walk(node: Any, path: tuple[str | int, ...], stream: str) -> Any:
-        if isinstance(node, torch.Tensor):
+        if isinstance(node, tensor_type):
             if dtensor_type is not None and isinstance(node, dtensor_type):
                 return _tag(dtensor(node, path, stream))
-            return _tag(tensor(node, path, stream))
+            return _tag(tensor(node, path, None, stream))
         if isinstance(node, dict):
             if step is not None and node.get("kind") == LOADER_KIND:
                 node = bind_position(node, step, path)
+            top = not path and private_keys
             out = {}
             for k, v in node.items():
                 if type(k) is str:
@@ -207,11 +226,26 @@ def encode(
                     key = f"__int__{k}"
                 else:
                     raise StateError(f"state{_key(path)}[{k!r}] is a {type(k).__name__}; keys must be str or int")
-                sub = private_keys and not path and str(k) in private_keys
-                out[key] = walk(v, (*path, k), "private" if sub else stream)
+                kind = type(v)
+                if kind in _PLAIN:
+                    out[key] = v
+                elif kind is tensor_type:
+                    ref = tensor(v, path, k, "private" if top and str(k) in private_keys else stream)
+                    out[key] = tags[ref] if ref < len(tags) else _tag(ref)
+                else:
+                    out[key] = walk(v, (*path, k), "private" if top and str(k) in private_keys else stream)
             return out
         if isinstance(node, (list, tuple)):
-            items = [walk(v, (*path, i), stream) for i, v in enumerate(node)]
+            items = []
+            for i, v in enumerate(node):
+                kind = type(v)
+                if kind in _PLAIN:
+                    items.append(v)
+                elif kind is tensor_type:
+                    ref = tensor(v, path, i, stream)
+                    items.append(tags[ref] if ref < len(tags) else _tag(ref))
+                else:
+                    items.append(walk(v, (*path, i), stream))
             return {"__tuple__": items} if isinstance(node, tuple) else items
         if node is None or isinstance(node, (bool, int, str)):
             return node
@@ -227,61 +261,59 @@ def encode(
             "to a tensor or a dict) before save()"
         )
 
-    def tensor(t: torch.Tensor, path: tuple[str | int, ...], stream: str, shared: bool = True) -> int:
-        dtype = _NAMES.get(t.dtype)
+    def tensor(t: torch.Tensor, path: tuple[str | int, ...], at: str | int | None, stream: str, shared: bool = True) -> int:
+        """``t``'s index in the header's tensor list; ``(*path, at)`` names it in an error."""
+        dtype = names.get(t.dtype)
         if dtype is None:
-            raise StateError(f"state{_key(path)} has dtype {t.dtype}, which ffplane cannot save")
+            raise StateError(f"state{_key(path, at)} has dtype {t.dtype}, which ffplane cannot save")
         if t.is_cpu:
             device = "cpu"  # str(t.device) costs more than the rest of a tensor's checks together
         elif t.is_cuda:
             device = str(t.device)
         else:
-            raise StateError(f"state{_key(path)} is on {t.device}; ffplane saves CPU and CUDA tensors")
-        if t.layout is not torch.strided:
-            raise StateError(f"state{_key(path)} is a {t.layout} tensor; save a dense tensor")
+            raise StateError(f"state{_key(path, at)} is on {t.device}; ffplane saves CPU and CUDA tensors")
+        if t.layout is not strided:
+            raise StateError(f"state{_key(path, at)} is a {t.layout} tensor; save a dense tensor")
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         skey = storage.data_ptr() << 64 | nbytes if device == "cpu" else (device, storage.data_ptr(), nbytes)
-        sid = enc.storage_ids.get(skey)
+        sid = storage_ids.get(skey)
         if sid is None:
-            sid = len(enc.storages)
-            offset = enc.stream_nbytes[stream]
-            # a CUDA storage is copied device → slot directly (Checkpointer: on a side stream)
-            entry = prev_storages[sid] if sid < len(prev_storages) else None
-            if entry is None or (entry.stream, entry.offset, entry.nbytes, entry.device) != (stream, offset, nbytes, device):
-                entry = StorageEntry(stream, offset, nbytes, device)
-            enc.storages.append(entry)
-            known = prev_ids.get(skey)
-            enc.sources.append(
-                torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (nbytes,), (1,))
-                if known is None
-                else prev_sources[known]
-            )
-            enc.stream_nbytes[stream] = offset + -(-nbytes // ALIGN) * ALIGN
-            enc.storage_ids[skey] = sid
-        ref = len(enc.tensors)
-        shape, stride, offset, grad = t.shape, t.stride(), int(t.storage_offset()), t.requires_grad
-        same = prev_tensors[ref] if shared and ref < len(prev_tensors) else None
-        if (
-            same is not None
-            and same["storage"] == sid
-            and same["storage_offset"] == offset
-            and same["dtype"] == dtype
-            and same["requires_grad"] is grad
-            and same["shape"] == list(shape)
-            and same["stride"] == list(stride)
-            and "dtensor" not in same
-        ):
-            enc.tensors.append(same)
+            sid = len(storages)
+            offset = stream_nbytes[stream]
+            place = (skey, stream, offset)
+            if sid < len(prev_places) and prev_places[sid] == place:
+                # the same storage (the previous source view keeps it alive: no other can have its
+                # address) at the same place in the same stream: the previous save's entry and view
+                places.append(prev_places[sid])
+                storages.append(prev_storages[sid])
+                sources.append(prev_sources[sid])
+            else:
+                # a CUDA storage is copied device → slot directly (Checkpointer: on a side stream)
+                entry = prev_storages[sid] if sid < len(prev_storages) else None
+                if entry is None or (entry.stream, entry.offset, entry.nbytes, entry.device) != (stream, offset, nbytes, device):
+                    entry = StorageEntry(stream, offset, nbytes, device)  # else another storage, placed alike
+                places.append(place)
+                storages.append(entry)
+                sources.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (nbytes,), (1,)))
+            stream_nbytes[stream] = offset + -(-nbytes // ALIGN) * ALIGN
+            storage_ids[skey] = sid
+        ref = len(tensors)
+        key = (sid, t.storage_offset(), dtype, t.requires_grad, t.shape, t.stride())
+        if shared and ref < len(prev_keys) and prev_keys[ref] == key and "dtensor" not in prev_tensors[ref]:
+            # the previous save's objects: the new key dies here, and nothing is left for the collector
+            keys.append(prev_keys[ref])
+            tensors.append(prev_tensors[ref])  # a DTensor's entry is added to: never shared
         else:
-            enc.tensors.append(
+            keys.append(key)
+            tensors.append(
                 {
                     "storage": sid,
                     "dtype": dtype,
-                    "shape": list(shape),
-                    "stride": list(stride),
-                    "storage_offset": offset,
-                    "requires_grad": grad,
+                    "shape": list(key[4]),
+                    "stride": list(key[5]),
+                    "storage_offset": int(key[1]),
+                    "requires_grad": key[3],
                 }
             )  # a TensorRef's fields
         return ref
@@ -306,7 +338,7 @@ def encode(
         _, mesh_shape, coord, dp_dims = known
         checked = range(len(placements)) if dp_dims is None else dp_dims
         same = all(placements[i] == ["replicate"] for i in checked)
-        ref = tensor(t.to_local(), path, stream if same else "private", shared=False)  # its entry is added to below
+        ref = tensor(t.to_local(), path, None, stream if same else "private", shared=False)  # its entry is added to below
         # under no_grad the local part of a parameter does not require grad; the DTensor says
         enc.tensors[ref]["requires_grad"] = t.requires_grad
         enc.tensors[ref]["dtensor"] = {
@@ -323,7 +355,7 @@ def encode(
     # fsdp2 case). A Stateful leaf's state_dict() runs under no_grad too.
     with torch.no_grad(), collector_paused():  # see trainer_client._collector
         enc.tree = walk(state, (), "replicated")  # JSON by construction: walk lets nothing else through
-    if previous is not None and _same_items(enc.storages, previous.storages) and _same_items(enc.sources, previous.sources):
+    if not fresh and _same_items(enc.storages, previous.storages) and _same_items(enc.sources, previous.sources):
         enc.storage_dicts, enc.generation = previous.storage_dicts, previous.generation
     else:
         enc.generation = next(_GENERATIONS)
