@@ -323,6 +323,13 @@ def test_big_bodies_are_streamed_and_small_ones_sent_whole(dataserver: Proc) -> 
     assert httpx.post(dataserver.url + "/v1/jobs", json={**JOB, "name": "small"}, headers=AUTH).status_code == 201
     small = httpx.get(f"{dataserver.url}/v1/jobs/small/batches", params={"dp_rank": 0, "start": 0, "count": 4}, headers=AUTH)
     assert small.status_code == 200 and small.headers["content-length"] == str(len(small.content))
+    # a daemon's run of small steps (--fetch-steps 16): one body too, not a chunk per step
+    run = httpx.get(f"{dataserver.url}/v1/jobs/small/batches", params={"dp_rank": 0, "start": 4, "count": 16}, headers=AUTH)
+    assert run.status_code == 200 and run.headers["content-length"] == str(len(run.content))
+    steps = pa.ipc.open_stream(run.content)
+    assert [steps.read_next_batch_with_custom_metadata().custom_metadata[b"step"] for _ in range(16)] == [
+        str(s).encode() for s in range(4, 20)
+    ]
     planner = Planner(300, 5, [Generation(0, 1, 250_000)])
     with httpx.stream(
         "GET", f"{dataserver.url}/v1/jobs/j1/batches", params={"dp_rank": 0, "start": 0, "count": 3}, headers=AUTH, timeout=120
