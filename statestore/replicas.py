@@ -183,7 +183,9 @@ class ReplicaStore:
                 # never truncated: a reader of the version it held may still be copying from it
                 self._unlink_spare(spare)
                 spare = None
-            room = self._free_bytes() + (spare.size if spare else 0)
+            # a spare of this size is counted as held already: landing in it takes nothing new
+            # from the budget (asking what the cache, slots and replicas hold is a walk over all)
+            room = nbytes if spare is not None else self._free_bytes()
             if nbytes > room and self._spares:  # other roles' spares give way first
                 self._release_spares()
                 room = self._free_bytes() + (spare.size if spare else 0)
