@@ -249,7 +249,7 @@ class DataLoader:
             if not self._served:
                 self._served = True
                 emit("data_ready", step=step)
-            if events_on():
+            if events_on("batch"):
                 emit("batch", step=step, digest=_content_digest(batch))  # the chaos soak's exactly-once check
             self._next_step = step + 1
             self._prefetch(step + 1)

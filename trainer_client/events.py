@@ -5,6 +5,8 @@ Kinds: ``process_start`` (the process's start time, from /proc, emitted with the
 ``imported`` (the first of ``trainer_client``'s public names loaded: the interpreter and torch are), ``restoring``
 (``Checkpointer.restore`` called: the process group, model and DDP are set up), ``restored`` (step, source), ``data_ready`` (the first batch after start-up is in hand, step),
 ``saved`` (every save, step), ``batch`` (every batch served: step and an XXH3 of its bytes). Wall-clock seconds, so several processes' lines can be merged.
+``$FFPLANE_EVENTS_SKIP`` names kinds not written (comma-separated): a benchmark that reads only
+``saved`` leaves out ``batch``, a digest and a file append per step that its baseline never pays.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from typing import Any
 
 EVENTS_ENV = "FFPLANE_EVENTS_DIR"
+SKIP_ENV = "FFPLANE_EVENTS_SKIP"
 _lock = threading.Lock()
 _started = False
 
@@ -30,13 +33,14 @@ def _process_start() -> float:
         return time.time()
 
 
-def events_on() -> bool:
-    return bool(os.environ.get(EVENTS_ENV))
+def events_on(kind: str | None = None) -> bool:
+    """Whether events (of ``kind``) are written: worth working out what one would say."""
+    return bool(os.environ.get(EVENTS_ENV)) and (kind is None or kind not in os.environ.get(SKIP_ENV, "").split(","))
 
 
 def emit(kind: str, **fields: Any) -> None:
     directory = os.environ.get(EVENTS_ENV)
-    if not directory:
+    if not directory or not events_on(kind):
         return
     global _started
     now = time.time()
