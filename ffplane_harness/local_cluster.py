@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,6 +98,15 @@ def start(
     raise RuntimeError(f"{name} did not become ready in {timeout_s}s:\n{log_path.read_text()}")
 
 
+_ROOT_PREFIX = "ffplane-local-"  # a daemon root: ffplane-local-<maker's pid>-<node>
+
+
+def orphaned_roots(parent: Path = Path("/dev/shm")) -> list[Path]:
+    """Daemon roots under ``parent`` whose maker has exited without removing them. A live maker's
+    (a benchmark or test running beside this one) are not; its daemons die with it (``start``)."""
+    return [p for p in parent.glob(f"{_ROOT_PREFIX}*") if not Path("/proc", p.name.removeprefix(_ROOT_PREFIX).split("-")[0]).exists()]
+
+
 class LocalCluster:
     """A data server and node daemons on this machine, for trying ffplane, benchmarks and tests.
 
@@ -123,6 +133,8 @@ class LocalCluster:
         self.dataservers: list[Proc] = []  # with --etcd there may be several; daemons are given them all
         self.daemons: list[Proc] = []
         self.roots: list[Path] = []
+        for root in orphaned_roots(shm_parent):  # a maker killed before its close() (SIGTERM, SIGKILL)
+            shutil.rmtree(root, ignore_errors=True)
 
     def _place(self, node: int) -> tuple[str, Callable[[list[str]], list[str]] | None]:
         if self.net is None:
@@ -173,7 +185,7 @@ class LocalCluster:
         """Start daemon ``index`` (default: the next one); restarting an index reuses its root."""
         assert self.dataserver is not None, "start the data server first"
         i = len(self.daemons) if index is None else index
-        root = self.shm_parent / f"ffplane-local-{os.getpid()}-{i}"
+        root = self.shm_parent / f"{_ROOT_PREFIX}{os.getpid()}-{i}"
         if root not in self.roots:
             self.roots.append(root)
         host, wrap = self._place(i + 1 if self.net else 0)
@@ -216,8 +228,6 @@ class LocalCluster:
         return wrap(argv) if wrap else argv
 
     def close(self) -> None:
-        import shutil
-
         for proc in [*self.daemons, *self.dataservers]:
             proc.stop()
         for root in self.roots:

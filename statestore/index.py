@@ -19,7 +19,7 @@ from typing import Any
 
 import lmdb
 
-from statestore.shm import TMP_MARK, unlink
+from statestore.shm import tmp_path, unlink
 
 SIDECAR = ".meta"
 
@@ -104,7 +104,7 @@ def encode(value: dict[str, Any]) -> bytes:
 def write_sidecar(file: Path | str, value: dict[str, Any] | bytes) -> None:
     """Record ``value`` (or its ``encode``) beside ``file`` (temporary name, then rename: never half-written)."""
     final = f"{file}{SIDECAR}"
-    tmp = f"{final}{TMP_MARK}{os.getpid()}"  # reclaimed at start-up if a crash leaves it (as shm.tmp_path's)
+    tmp = tmp_path(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, value if isinstance(value, bytes) else encode(value))

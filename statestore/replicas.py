@@ -184,14 +184,12 @@ class ReplicaStore:
                 self._unlink_spare(spare)
                 spare = None
             # a spare of this size is counted as held already: landing in it takes nothing new
-            # from the budget (asking what the cache, slots and replicas hold is a walk over all)
+            # from the budget, which is asked (a walk over the cache, slots and replicas) only without one
             room = nbytes if spare is not None else self._free_bytes()
             if nbytes > room and self._spares:  # other roles' spares give way first
                 self._release_spares()
-                room = self._free_bytes() + (spare.size if spare else 0)
+                room = self._free_bytes()
             if nbytes > room:
-                if spare is not None:
-                    self._spares[(job, role)] = spare
                 raise CapacityError(
                     f"no room for a {nbytes / 2**20:.1f} MiB replica of {role} step {step}: "
                     f"{max(room, 0) / 2**20:.1f} MiB of the daemon's budget left; raise --budget-mb",

@@ -27,7 +27,7 @@ import fcntl
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 TMP_MARK = ".tmp-"
 HUGE_PAGE = 2 << 20
@@ -124,7 +124,14 @@ def filesystem(root: Path) -> tuple[str, str]:
     return found
 
 
-def tmp_path(final: Path) -> Path:
+_P = TypeVar("_P", Path, str)
+
+
+def tmp_path(final: _P) -> _P:
+    """Where ``final`` is written before its rename (reclaimed at start-up if a crash leaves it);
+    a string for a string (the per-save paths are strings: see ``index.write_sidecar``)."""
+    if isinstance(final, str):
+        return f"{final}{TMP_MARK}{os.getpid()}"
     return final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}")
 
 

@@ -97,7 +97,9 @@ class DataLoader:
         self._source: DaemonSource | HttpSource | None = None
         self._http: HttpSource | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: tuple[int, Future[_Fetched]] | None = None
+        # the step looked ahead at, and the look-ahead thread's fetch of it (None: ``_here`` said it
+        # is read on the training thread; nothing calls the source before that read)
+        self._ahead: tuple[int, Future[_Fetched] | None] | None = None
         # Each step handed out, held until the look-ahead thread drops it two steps later. A
         # step's mapping is unmapped by whoever drops the last reference: without this, the
         # training thread did, the moment its loop let go of the previous batch — a munmap with a
@@ -216,9 +218,11 @@ class DataLoader:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-loader-{self.job}-{self.dp_rank}")
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == step:
+            if ahead[1] is None:
+                return self._fetch(step, here=True)
             fut = ahead[1]
         else:
-            if ahead is not None:  # a look-ahead for another step (the loop jumped): let it finish
+            if ahead is not None and ahead[1] is not None:  # a look-ahead for another step (the loop jumped): let it finish
                 futures_wait([ahead[1]], timeout=self.timeout_s)
             if self._here(step):
                 return self._fetch(step, here=True)
@@ -236,8 +240,8 @@ class DataLoader:
         thread waited for the GIL rather than while it computed (bench/reader_steps.py measures
         the wait; docs/decisions.md, "Data path, third pass")."""
         assert self._pool is not None
-        if (self.end_step is None or step < self.end_step) and not self._here(step):
-            self._ahead = (step, self._pool.submit(self._fetch, step))
+        if self.end_step is None or step < self.end_step:
+            self._ahead = (step, None if self._here(step) else self._pool.submit(self._fetch, step))
 
     # --- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:

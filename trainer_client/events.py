@@ -33,14 +33,18 @@ def _process_start() -> float:
         return time.time()
 
 
+def _skipped(kind: str) -> bool:
+    return kind in os.environ.get(SKIP_ENV, "").split(",")
+
+
 def events_on(kind: str | None = None) -> bool:
     """Whether events (of ``kind``) are written: worth working out what one would say."""
-    return bool(os.environ.get(EVENTS_ENV)) and (kind is None or kind not in os.environ.get(SKIP_ENV, "").split(","))
+    return bool(os.environ.get(EVENTS_ENV)) and (kind is None or not _skipped(kind))
 
 
 def emit(kind: str, **fields: Any) -> None:
     directory = os.environ.get(EVENTS_ENV)
-    if not directory or not events_on(kind):
+    if not directory or _skipped(kind):
         return
     global _started
     now = time.time()

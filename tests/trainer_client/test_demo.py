@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from ffplane_harness.local_cluster import orphaned_roots
+
 REPO = Path(__file__).parents[2]
 
 
 def _left_behind() -> set[str]:
-    """Local-cluster folders (``ffplane-local-<maker's pid>-<node>``) whose maker has exited: the
-    demo's, once it is done, if it leaked any. A live process's (a soak beside this test) are not."""
-    return {p.name for p in Path("/dev/shm").glob("ffplane-local-*") if not Path("/proc", p.name.split("-")[2]).exists()}
+    """Local-cluster folders whose maker has exited: the demo's, once it is done, if it leaked any."""
+    return {p.name for p in orphaned_roots()}
 
 
 def test_the_demo_recovers_both_failures_bitwise_and_cleans_up(tmp_path: Path) -> None:
