@@ -149,18 +149,33 @@ def step_times(state: dict[str, torch.Tensor], device: str, socket: Path, repeat
     }
 
 
+def _progress(start: float, what: str) -> None:
+    print(f"  {time.perf_counter() - start:7.1f} s  {what}", flush=True)
+
+
 def bench_size(nbytes: int, device: str, socket: Path, repeats: int, work: Path, steps: int) -> dict[str, Any]:
+    start = time.perf_counter()
     state = make_state(nbytes, device)
     out: dict[str, Any] = {"state_bytes": sum(t.numel() * t.element_size() for t in state.values())}
+    _progress(start, "bare pinned copies")
     out.update(bare_copies(state, device, repeats))
+    _progress(start, "torch.save to /dev/shm")
 
     shm_file = Path("/dev/shm") / f"ffplane-gpu-bench-{secrets.token_hex(3)}.pt"
     try:
         out["torch_save_shm_s"] = repeat(lambda: timed(device, lambda: torch.save(state, shm_file)), repeats)
     finally:
         shm_file.unlink(missing_ok=True)
-    out["dcp_async_save_block_s"] = _dcp(state, device, work, repeats)
+    _progress(start, "DCP async_save")
+    try:
+        out["dcp_async_save_block_s"] = _dcp(state, device, work, repeats, pinned_stager=True)
+        out["dcp_staging"] = "DefaultStager, pinned"
+    except Exception as e:  # torch 2.11's stager fails to copy CUDA tensors (KeyError: <class 'type'>)
+        print(f"  DCP with a pinned DefaultStager failed ({type(e).__name__}: {e}); measuring its default staging", flush=True)
+        out["dcp_async_save_block_s"] = _dcp(state, device, work, repeats, pinned_stager=False)
+        out["dcp_staging"] = f"async_save's default (DefaultStager failed: {type(e).__name__}: {e})"
 
+    _progress(start, "Checkpointer.save")
     job = f"gpu-{nbytes >> 20}-{secrets.token_hex(2)}"
     ck = Checkpointer(job, socket_path=socket)
     ck.save(0, state)  # allocates, pins and pre-faults the slots once
@@ -182,14 +197,17 @@ def bench_size(nbytes: int, device: str, socket: Path, repeats: int, work: Path,
         finally:
             fresh.close()
 
+    _progress(start, "Checkpointer.restore")
     out["restore_s"] = repeat(restore, repeats)
     assert all(torch.equal(live[k], state[k]) for k in state), "restore returned wrong bytes"
     ck.close()
+    _progress(start, "training steps, without and with overlapped saves")
     out.update(step_times(state, device, socket, repeats, steps))
+    _progress(start, "done")
     return out
 
 
-def _dcp(state: dict[str, torch.Tensor], device: str, work: Path, repeats: int) -> dict[str, Any]:
+def _dcp(state: dict[str, torch.Tensor], device: str, work: Path, repeats: int, pinned_stager: bool) -> dict[str, Any]:
     import shutil
 
     import torch.distributed as dist
@@ -199,16 +217,15 @@ def _dcp(state: dict[str, torch.Tensor], device: str, work: Path, repeats: int) 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{work / 'pg'}", rank=0, world_size=1)
     cuda = device == "cuda"
-    stager = DefaultStager(
-        StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
-    )
+    options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
+    stager = DefaultStager(options) if pinned_stager else None
     runs = iter(range(10_000))
 
     def one() -> float:
         d = Path("/dev/shm") / f"ffplane-gpu-bench-dcp-{next(runs)}"
         sync(device)
         t = time.perf_counter()
-        res = dcp.async_save(state, checkpoint_id=str(d), async_stager=stager)
+        res = dcp.async_save(state, checkpoint_id=str(d), async_stager=stager) if stager else dcp.async_save(state, checkpoint_id=str(d))
         block = time.perf_counter() - t
         fut = getattr(res, "upload_completion", res)
         fut.result()
@@ -219,7 +236,8 @@ def _dcp(state: dict[str, torch.Tensor], device: str, work: Path, repeats: int) 
     try:
         return repeat(one, repeats)
     finally:
-        stager.close()
+        if stager:
+            stager.close()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -241,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ffplane-gpu-bench-", dir="/tmp") as tmp:
         work = Path(tmp)
         (work / "data").mkdir()
-        budget_mb = max(4 * max(sizes) * 11 // 10 >> 20, 256)  # a role keeps 4 slots
+        budget_mb = max(8 * max(sizes) * 11 // 10 >> 20, 256)  # 4 slots a role; two jobs (saves, then overlapped steps)
         with huge_tmpfs(work / "shm-huge", 2 * budget_mb, args.huge) as huge:
             for size in sizes:
                 name = f"{size >> 20}MiB"

@@ -10,6 +10,7 @@ A trailing ``tp=2`` builds the job on a 2-D ``(dp, tp)`` mesh (see ``_fsdp2_work
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -39,25 +40,26 @@ class AppState(Stateful):
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _job(tp: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def _job(tp: int = 1, cuda: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """test_fsdp2's job, with an LR scheduler (a Stateful leaf DCP calls for itself)."""
-    model, opt, _ = fsdp2_job(tp)
+    model, opt, _ = fsdp2_job(tp, cuda=cuda)
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
 def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in model.state_dict().items():
-        out[f"model/{k}"] = v.full_tensor()
+        out[f"model/{k}"] = v.full_tensor().cpu()
     for pid, st in opt.state_dict()["state"].items():
         for k, v in st.items():
-            out[f"optim/{pid}/{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+            out[f"optim/{pid}/{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()).cpu()
     return out
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int, tp: int = 1) -> None:
     gen = torch.Generator().manual_seed(1000 * step + dist.get_rank() // tp)  # a tp group sees one batch
-    model(torch.randn(16, 24, generator=gen)).square().mean().backward()
+    device = next(model.parameters()).device
+    model(torch.randn(16, 24, generator=gen).to(device)).square().mean().backward()
     opt.step()
     opt.zero_grad()
     sched.step()
@@ -65,10 +67,12 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, 
 
 def main() -> None:
     argv, shape = mesh_args(sys.argv)
-    tp = shape.get("tp", 1)
+    tp, cuda = shape.get("tp", 1), shape.get("cuda", 0)
     mode, sock, out = argv[1], argv[2], argv[3]
-    dist.init_process_group("gloo")
-    model, opt, sched = _job(tp)
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")  # async_save needs a CPU backend
+    model, opt, sched = _job(tp, cuda)
     state = {"app": AppState(model, opt), "sched": sched, "progress": {"step": 0, "tokens": [0, 1.5]}}
     if mode == "save":
         writer = DaemonWriter("dcp-job", socket_path=sock)

@@ -38,6 +38,20 @@ def test_dcp_save_async_save_and_load_round_trip_fsdp2_state_with_stateful_leave
     assert loaded["progress"] == {"step": 3, "tokens": [48, 1.5]}  # a non-tensor value, stored as JSON
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dcp_round_trips_fsdp2_state_held_on_gpus(tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    """DCP's planner hands the writer CUDA DTensor shards (and the reader CUDA targets): saved
+    and loaded through the daemon bit for bit, one rank per GPU over NCCL."""
+    start_daemon()
+    sock, n = str(shm_root / "daemon.sock"), torch.cuda.device_count()
+    torchrun(tmp_path, _WORKER, "save", sock, str(tmp_path / "saved.pt"), "3", "cuda=1", nproc=n)
+    torchrun(tmp_path, _WORKER, "load", sock, str(tmp_path / "loaded.pt"), "cuda=1", nproc=n)
+    saved, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
+    assert loaded["step"] == 3 and loaded["progress"] == saved["progress"]
+    _same(saved["full"], loaded["full"])
+
+
 def test_a_load_into_half_the_world_reshards_and_the_new_worlds_steps_restore(
     tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
 ) -> None:

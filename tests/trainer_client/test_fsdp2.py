@@ -44,6 +44,7 @@ def _train_restore_export(tmp_path: Path, sock: str, steps: int, *shape: str, np
     local_bytes = int(trained.pop("local_bytes"))
     restored = torch.load(tmp_path / "restored.pt")
     assert restored["step"] == steps and any("exp_avg" in k for k in trained)
+    assert restored["mesh_devices"] == ["cuda" if "cuda=1" in shape else "cpu"]
     assert_bitwise(trained, restored["into"])
     assert_bitwise({k: trained[k] for k in ("/0.weight", "/0.bias", "/2.weight", "/2.bias")}, restored["mesh"])
     _exports_whole(tmp_path, sock, steps, trained)
@@ -55,6 +56,17 @@ def test_fsdp2_state_restores_bitwise_into_the_live_shards_and_onto_the_mesh(
 ) -> None:
     start_daemon()
     _train_restore_export(tmp_path, str(shm_root / "daemon.sock"), 4)  # before: save() raised on the DTensors
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp2_on_gpus_over_nccl_restores_bitwise_into_the_live_shards_and_onto_the_mesh(
+    tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    """The same job with its shards on the GPUs (one rank per GPU, NCCL): saved from device
+    memory, restored into the live CUDA DTensors and as new DTensors on the CUDA mesh."""
+    start_daemon()
+    _train_restore_export(tmp_path, str(shm_root / "daemon.sock"), 4, "cuda=1", nproc=torch.cuda.device_count())
 
 
 def test_per_rank_state_saved_as_replicated_is_refused_naming_the_key_and_rng_state_restores_per_rank(
