@@ -8,7 +8,9 @@ For each size of CUDA state per process (bf16 weights and fp32 optimizer-like te
 
 * ``bare_d2h_s`` — one ``cudaMemcpyAsync`` per tensor into page-locked (registered) host memory,
   on a side stream, then synchronize: the limit for a save;
-* ``save_block_s`` — ``Checkpointer.save`` blocking mode (its copy done when it returns);
+* ``save_block_s`` — ``Checkpointer.save`` blocking mode (its copy done when it returns), once
+  each of the role's 4 slots has been saved into (``first_saves_block_s``: those first saves,
+  which also page-lock their slot);
 * ``overlapped_save_block_s`` — overlapped mode: ``save`` plus the optimizer step's wait for the copy;
 * ``step_s`` / ``step_overlapped_s`` — a training step of ~0.5 s (matmuls, then an SGD step over the
   saved tensors) without saves, and with an overlapped save after every step;
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, huge_tmpfs, ratio, repeat, summary, write_results  # noqa: E402
 from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
+from statestore.slots import SLOTS  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
 from trainer_client._device_copy import copy_now  # noqa: E402
 from trainer_client.pinned import Registration  # noqa: E402
@@ -129,7 +132,8 @@ def step_times(state: dict[str, torch.Tensor], device: str, socket: Path, repeat
     run(None)  # warm-up: kernels loaded, the optimizer's buffers made
     plain = repeat(lambda: run(None), repeats)
     ckpt = Checkpointer(f"overlap-{secrets.token_hex(2)}", socket_path=socket, overlap_with=opt)
-    run(ckpt)  # slots allocated, pinned and pre-faulted once
+    for _ in range(SLOTS):  # every slot allocated, pinned and pre-faulted once
+        run(ckpt)
     waits: list[float] = []
     blocks: list[float] = []
 
@@ -178,9 +182,13 @@ def bench_size(nbytes: int, device: str, socket: Path, repeats: int, work: Path,
     _progress(start, "Checkpointer.save")
     job = f"gpu-{nbytes >> 20}-{secrets.token_hex(2)}"
     ck = Checkpointer(job, socket_path=socket)
-    ck.save(0, state)  # allocates, pins and pre-faults the slots once
+    first = []
+    for step in range(SLOTS):  # each slot allocated, pinned and pre-faulted once: steady state after
+        ck.wait()
+        first.append(timed(device, lambda: ck.save(step, state)))
+    out["first_saves_block_s"] = summary(first)
     ck.wait()
-    steps_iter = iter(range(1, 1000))
+    steps_iter = iter(range(SLOTS, 1000))
 
     def save() -> float:
         ck.wait()
@@ -284,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if dist.is_initialized():  # created by the DCP baseline
         dist.destroy_process_group()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    config = {"sizes_mb": args.sizes_mb, "repeats": args.repeats, "steps": args.steps, "device": device_name}
+    config = {"sizes_mb": args.sizes_mb, "repeats": args.repeats, "steps": args.steps, "device": device_name, "huge": args.huge}
     written = write_results(out_name, figures, config, checks, args.results_dir)
     print(f"wrote {written}")
     return {"figures": figures, "targets": checks}

@@ -92,6 +92,23 @@ def shm_root() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture
+def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs mounted ``huge=within_size`` (the recommended daemon root), unmounted after;
+    skipped where it cannot be mounted (not root)."""
+    import subprocess
+
+    where = tmp_path / "huge"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m,huge=within_size", "tmpfs", str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
 @contextmanager
 def launcher(tmp_path: Path, module: str) -> Iterator[Callable[[list[str], str], Proc]]:
     """``launch(args, name)`` starts ``python -m module args`` (logs in ``tmp_path``); every

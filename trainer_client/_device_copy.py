@@ -87,11 +87,10 @@ def copy_now(pairs: Pairs, host_copy: Callable[[Pairs], None]) -> None:
 @dataclass
 class StagedBatch:
     """A batch whose tensor columns are being copied onto a device (binary columns stay on the
-    host); ``pin`` is the step mapping's registration, released once the copy is done."""
+    host), or, without a device, already copied into page-locked host memory."""
 
     batch: dict[str, Any]
     flight: CopyInFlight
-    pin: Any = None  # trainer_client.pinned.Registration
 
     def take(self) -> dict[str, Any]:
         """On the training thread: the batch, its copies completed, usable on the current stream."""
@@ -103,20 +102,29 @@ class StagedBatch:
 
     def release(self) -> None:
         self.flight.wait()
-        if self.pin is not None:
-            self.pin.release()
-            self.pin = None
 
 
-def stage(batch: dict[str, Any], device: torch.device, pin: Any) -> StagedBatch:
-    """Start copying ``batch``'s tensors to ``device`` (non-blocking, on its side stream)."""
+def stage(batch: dict[str, Any], device: torch.device | None) -> StagedBatch:
+    """Copy ``batch``'s tensors into page-locked host buffers (torch's caching host allocator),
+    then, with a ``device``, start copying those onto it (non-blocking, on its side stream).
+
+    Not a registration of the cached step's mapping in place: that mapping is private
+    (copy-on-write, so training code may change a batch in place), and Linux copies every page
+    of a private mapping when it is pinned long-term — on a huge-page tmpfs the pin never
+    returned. A batch's memcpy on the look-ahead thread costs less than either. The pinned
+    buffers may go as soon as the copies are queued: the allocator reuses a block only after the
+    copies recorded on it have completed."""
     out = dict(batch)
     pairs: Pairs = []
     for name, value in batch.items():
         if isinstance(value, torch.Tensor):
-            out[name] = torch.empty_like(value, device=device)
-            pairs.append((out[name], value))
-    return StagedBatch(out, start_copies(pairs, _refuse_host), pin)
+            host = value.pin_memory()
+            if device is None:
+                out[name] = host
+            else:
+                out[name] = torch.empty_like(value, device=device)
+                pairs.append((out[name], host))
+    return StagedBatch(out, start_copies(pairs, _refuse_host))
 
 
 def _refuse_host(pairs: Pairs) -> None:

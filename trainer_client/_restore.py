@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -248,15 +249,24 @@ def reduce_min(group: Any, values: list[int]) -> list[int]:
 
 def map_shard(shard: dict[str, Any], pins: list[Registration] | None = None) -> torch.Tensor:
     """A shard's bytes as a uint8 tensor over a private (copy-on-write) mapping of its file;
-    with ``pins``, the mapping is also page-locked (read-only) for CUDA copies, its
-    registration appended there for the caller to release."""
+    with ``pins``, over a shared read-only mapping, page-locked for CUDA copies, its
+    registration appended there for the caller to release.
+
+    Not the private mapping for a pin: Linux breaks copy-on-write up front for a long-term
+    read-only pin of a writable private mapping (every page copied: 0.8 s a GiB on an H100 host),
+    and on a huge-page tmpfs such a pin never returned (``bench/gpu_checkpoint.py``)."""
     fd = os.open(shard["path"], os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if pins is None:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        else:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": read-only on purpose
+        whole = torch.frombuffer(mm, dtype=torch.uint8)
     populate_read(whole.data_ptr(), size)
     if pins is not None:
         pins.append(Registration(whole, read_only=True))

@@ -24,13 +24,13 @@ from trainer_client._device_copy import StagedBatch, stage
 from trainer_client._sources import DaemonSource, HttpSource, Step
 from trainer_client.batches import Batch, StepBytes
 from trainer_client.events import emit, events_on
-from trainer_client.pinned import Registration, cuda_present
+from trainer_client.pinned import cuda_present
 from trainer_client.state_codec import LOADER_KIND
 
 log = logging.getLogger(__name__)
 
 _HELD_STEPS = 2  # steps handed out whose mapping the loader still holds (released by the look-ahead)
-_Fetched = tuple[Step, "StagedBatch | Registration | None"]  # a step, and its device copy or pinned mapping
+_Fetched = tuple[Step, "StagedBatch | None"]  # a step, and its device (or page-locked) copy
 
 
 class DataLoader:
@@ -46,10 +46,11 @@ class DataLoader:
     ``max_steps`` counts optimizer steps.
 
     ``device="cuda"``: tensor columns arrive on that device. The look-ahead thread copies the
-    next step while the current one trains (non-blocking, on a side stream, from the cached step's
-    pages registered as pinned memory with ``pin_memory=True``); the training thread gets tensors
-    whose copy has completed. ``pin_memory=True`` on a CPU loader pins the step so the caller's own
-    ``.to(device, non_blocking=True)`` runs asynchronously; without CUDA it does nothing.
+    next step while the current one trains (into page-locked host memory, then non-blocking onto
+    the device on a side stream); the training thread gets tensors whose copy has completed.
+    ``pin_memory=True`` on a CPU loader hands out page-locked copies (as torch's DataLoader does),
+    so the caller's own ``.to(device, non_blocking=True)`` runs asynchronously; without CUDA it
+    does nothing.
 
     ``state_dict()`` is the position: the step the loader continues at. Saved with step ``s``
     through ``Checkpointer.save(s, ...)``, it is bound to that step — the restored run continues
@@ -105,7 +106,7 @@ class DataLoader:
         # training thread did, the moment its loop let go of the previous batch — a munmap with a
         # TLB shootdown to the other core, in the middle of the step. bench/reader_steps.py: 0.79
         # → 0.65 ms per cached 4 MiB step (docs/decisions.md, "Data path, fourth pass").
-        self._held: deque[tuple[StepBytes, StagedBatch | Registration | None]] = deque()
+        self._held: deque[tuple[StepBytes, StagedBatch | None]] = deque()
         self.end_step = end_step
         self._generations: list[int] = []  # start steps of the job's generations, when known
         if self.dataserver:
@@ -156,15 +157,14 @@ class DataLoader:
         while len(self._held) > _HELD_STEPS:  # on the look-ahead thread: unmapped here
             if here and self._held[0][0] is not mapped:
                 break  # it may be a file's last reference: its unmap waits for the look-ahead thread
-            _, pinned = self._held.popleft()
-            if pinned is not None:
-                pinned.release()  # unpinned before the unmap, once its copy is done
+            _, staged = self._held.popleft()
+            if staged is not None:
+                staged.release()  # its copy done before the unmap
         found = self._fetch_plan_checked(step)
-        pin = Registration(torch.frombuffer(found[0].memory, dtype=torch.uint8), read_only=True) if self.pin_memory else None
-        if self.device is None:
-            return found, pin
+        if self.device is None and not self.pin_memory:
+            return found, None
         # one step ahead: the copy onto the device runs while the training thread computes
-        return found, stage(found[0].to_torch(found[1]), self.device, pin)
+        return found, stage(found[0].to_torch(found[1]), self.device)
 
     def _fetch_plan_checked(self, step: int) -> Step:
         found = self._fetch_any(step)
@@ -292,9 +292,9 @@ class DataLoader:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool, self._ahead = None, None
-        for _, pinned in self._held:
-            if pinned is not None:
-                pinned.release()
+        for _, staged in self._held:
+            if staged is not None:
+                staged.release()
         self._held.clear()
         for src in (self._source, self._http):
             if src is not None:

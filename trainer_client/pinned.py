@@ -3,9 +3,10 @@ shard) so CUDA copies to and from it run asynchronously at full PCIe bandwidth.
 
 ``cudaHostRegister`` pins an existing mapping in place: no second host buffer, no per-save
 allocation, and the pages stay the shared-memory files the daemon reads. A slot is registered
-once and reused like the slot itself; a read-only registration (``cudaHostRegisterReadOnly``)
-pins a copy-on-write mapping without breaking it into private pages. Without a CUDA device every
-call is a no-op (``Registration.active`` is False), so the same code runs on CPU.
+once and reused like the slot itself. Only shared mappings are registered: Linux breaks
+copy-on-write for a long-term pin of a writable private mapping, read-only or not (every page
+copied), and on a huge-page tmpfs such a pin did not return. Without a CUDA device every call is
+a no-op (``Registration.active`` is False), so the same code runs on CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ __all__ = ["Registration", "cuda_present"]
 
 log = logging.getLogger(__name__)
 _PORTABLE = 0x01  # pinned for every device of the process, not only the current one
-_READ_ONLY = 0x08  # CUDA ≥ 11.1: the device only reads it (a MAP_PRIVATE mapping stays shared)
+_READ_ONLY = 0x08  # CUDA ≥ 11.1: the device only reads it (needed for a PROT_READ mapping)
 
 
 @cache

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -323,20 +323,6 @@ def test_cached_steps_are_read_while_the_daemon_is_paused(dataserver: Proc, star
     loader.close()
 
 
-@pytest.fixture
-def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB tmpfs mounted ``huge=within_size`` (the recommended cache root), unmounted after."""
-    where = tmp_path / "huge"
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,huge=within_size", "tmpfs", str(where)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def _pmd_mapped_kib(path: Path) -> int:
     """KiB of ``path`` this process maps with 2 MiB page-table entries, after reading it all."""
     import mmap
@@ -478,10 +464,17 @@ def test_device_is_checked_before_anything_starts() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_batches_arrive_on_the_device_as_the_host_reads_them(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("root_on", ["shm", "huge_pages"])
+def test_batches_arrive_on_the_device_as_the_host_reads_them(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path, root_on: str, request: pytest.FixtureRequest
+) -> None:
+    """Also with the cache on a huge-page tmpfs (the recommended root): registering a cached
+    step's private mapping for the device copies never returned there."""
     create_job(dataserver, max_steps=12)
-    start_daemon()
-    common = {"dataserver": dataserver.url, "token": TOKEN, "socket_path": shm_root / "daemon.sock"}
+    root = request.getfixturevalue("huge_tmpfs") / "ffplane" if root_on == "huge_pages" else shm_root
+    start_daemon(root=root)
+    common = {"dataserver": dataserver.url, "token": TOKEN, "socket_path": root / "daemon.sock"}
     host = _read_all(DataLoader("j1", 1, **common))  # type: ignore[arg-type]
     pinned = DataLoader("j1", 1, pin_memory=True, **common)  # type: ignore[arg-type]
     on_device = [{k: v.clone() for k, v in b.items()} for b in DataLoader("j1", 1, device="cuda", pin_memory=True, **common)]  # type: ignore[arg-type]

@@ -106,6 +106,32 @@ def test_overlap_with_takes_optimizers_only(shm_root: Path) -> None:
         Checkpointer("ov", socket_path=shm_root / "daemon.sock", overlap_with=[torch.nn.Linear(2, 2)])  # type: ignore[list-item]
 
 
+def test_a_shard_mapped_for_device_copies_is_shared_and_read_only(tmp_path: Path) -> None:
+    """What a CUDA restore page-locks must not be a writable private mapping: Linux copies
+    every page of one when it is pinned long-term (0.8 s a GiB on an H100 host), and on a
+    huge-page tmpfs the pin never returned. Without a pin the mapping stays private (a caller's
+    in-place change cannot reach the daemon's file)."""
+    from trainer_client._restore import map_shard
+
+    path = tmp_path / "shard"
+    path.write_bytes(bytes(range(256)) * 64)
+    shard = {"path": str(path), "offset": 256, "nbytes": 1024}
+
+    def perms(t: torch.Tensor) -> str:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= t.data_ptr() < hi:
+                return line.split()[1]
+        raise AssertionError("mapping not found")
+
+    pinned = map_shard(shard, pins=[])
+    assert perms(pinned) == "r--s" and pinned[0].item() == 0 and len(pinned) == 1024
+    private = map_shard(shard)
+    assert perms(private) == "rw-p"
+    private[0] = 7  # copy-on-write: the file keeps its byte
+    assert path.read_bytes()[256] == 0
+
+
 def test_state_on_another_device_is_refused_by_name(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     from trainer_client import StateError
 
@@ -141,6 +167,25 @@ def test_cuda_state_round_trips_into_onto_and_as_pinned_views(start_daemon: Call
     assert views is not None and views.state["model"]["0.weight"].is_pinned()
     assert _equal(views.state["model"], saved["model"])
     viewer.close()
+
+
+@cuda
+@needs_cuda
+@pytest.mark.timeout(150)
+def test_cuda_state_restores_from_a_daemon_on_a_huge_page_tmpfs(start_daemon: Callable[..., Proc], huge_tmpfs: Path) -> None:
+    """The recommended daemon root: there a CUDA restore's pin of its shard never returned while
+    the shard was mapped private (copy-on-write); it is mapped shared and read-only now."""
+    root = huge_tmpfs / "ffplane"
+    start_daemon(root=root)
+    state = {f"w{i}": torch.randn(2 << 20, device="cuda") for i in range(4)}  # 32 MiB: 2 MiB pages
+    ckpt = Checkpointer("huge", socket_path=root / "daemon.sock")
+    ckpt.save(1, state)
+    ckpt.close()
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    got = Checkpointer("huge", socket_path=root / "daemon.sock").restore(into=target)
+    assert got is not None and got.step == 1 and _equal(target, state)
+    fresh = Checkpointer("huge", socket_path=root / "daemon.sock").restore()
+    assert fresh is not None and fresh.state["w0"].is_cuda and _equal(fresh.state, state)
 
 
 @cuda
