@@ -18,7 +18,10 @@ For each size of CUDA state per process (bf16 weights and fp32 optimizer-like te
 * ``dcp_async_save_block_s`` — ``torch.distributed.checkpoint.async_save`` with pinned staging
   (``DefaultStager``, synchronous staging) until it returns;
 * ``bare_h2d_s`` / ``restore_s`` — a bare pinned host → device copy, and ``Checkpointer.restore(
-  into=cuda_state)`` (the daemon's checksum check included).
+  into=cuda_state)`` (the daemon's checksum check included);
+* ``map_populate_s``, ``register_s``, ``unregister_s``, ``pageable_h2d_s`` — a restore's parts
+  from a fresh process: mapping a shard-sized file on the daemon's tmpfs and faulting it in,
+  page-locking and unlocking it, and the device copy from it unlocked.
 
 Targets (issue 19): save_block ≤ 1.2× bare_d2h; overlapped steps ≤ 1.02× plain ones; torch.save ≥ 10×
 save_block; restore ≤ 1.5× bare_h2d. Results: ``bench/results/gpu_checkpoint.json`` (``--device cpu``
@@ -28,10 +31,13 @@ writes ``gpu_checkpoint_cpu.json``: a check of the script, not a GPU figure).
 from __future__ import annotations
 
 import argparse
+import mmap
+import os
 import secrets
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, huge_tmpfs, ratio, repeat, summary, write_results  # noqa: E402
+from dataserver.protocol.pagemap import populate_read  # noqa: E402
 from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
 from statestore.slots import SLOTS  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
@@ -98,6 +105,53 @@ def bare_copies(state: dict[str, torch.Tensor], device: str, repeats: int) -> di
     finally:
         pin.release()
     return {"bare_d2h_s": d2h, "bare_h2d_s": h2d, "host_pinned": pin.nbytes if device == "cuda" else 0}
+
+
+def _map_read_only(path: Path, size: int) -> torch.Tensor:
+    """``path`` mapped shared and read-only, faulted in: what a CUDA restore maps."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only on purpose
+        host = torch.frombuffer(mm, dtype=torch.uint8)
+    populate_read(host.data_ptr(), size)
+    return host
+
+
+def restore_parts(state: dict[str, torch.Tensor], device: str, where: Path, repeats: int) -> dict[str, Any]:
+    """What a restore from a fresh process pays before its copies, on the daemon's tmpfs: mapping
+    a shard (shared, read-only) and faulting it in, page-locking it and unlocking it; and the
+    copy onto the device from the same mapping unlocked (pageable), the alternative to locking."""
+    path = where / f"bench-restore-parts-{secrets.token_hex(3)}"
+    with open(path, "wb") as f:
+        for t in state.values():
+            f.write(t.view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    parts: dict[str, list[float]] = {"map_populate_s": [], "register_s": [], "unregister_s": [], "pageable_h2d_s": []}
+    try:
+        flat = [t.view(-1).view(torch.uint8) for t in state.values()]
+        for _ in range(repeats):
+            t = time.perf_counter()
+            host = _map_read_only(path, sum(sizes))
+            parts["map_populate_s"].append(time.perf_counter() - t)
+            views, at = [], 0
+            for n in sizes:
+                views.append(host[at : at + n])
+                at += n
+            pairs = list(zip(flat, views))
+            parts["pageable_h2d_s"].append(timed(device, lambda: copy_now(pairs, host_copy)))
+            t = time.perf_counter()
+            pin = Registration(host, read_only=True)
+            parts["register_s"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            pin.release()
+            parts["unregister_s"].append(time.perf_counter() - t)
+    finally:
+        path.unlink(missing_ok=True)
+    return {k: summary(v) for k, v in parts.items()}
 
 
 def step_times(state: dict[str, torch.Tensor], device: str, socket: Path, repeats: int, steps: int) -> dict[str, Any]:
@@ -205,6 +259,8 @@ def bench_size(nbytes: int, device: str, socket: Path, repeats: int, work: Path,
         finally:
             fresh.close()
 
+    _progress(start, "a restore's parts: map, page-lock, pageable copy")
+    out.update(restore_parts(state, device, socket.parent, repeats))
     _progress(start, "Checkpointer.restore")
     out["restore_s"] = repeat(restore, repeats)
     assert all(torch.equal(live[k], state[k]) for k in state), "restore returned wrong bytes"
