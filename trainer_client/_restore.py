@@ -69,7 +69,6 @@ class RestoreAgreement:
         self.timeout_s = timeout_s
         self.copy = copy
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ffplane-verify-{job}-{self.role}")
-        self._view_pins: list[Registration] = []  # the pinned shards restore(view=True) handed out
 
     def run(self, into: Any, view: bool, group: Any, mesh: Any = None) -> tuple[Restored | None, int]:
         """The agreed step's state (None on a fresh job) and the lineage it continues."""
@@ -164,7 +163,8 @@ class RestoreAgreement:
         if me is None:
             raise NotFoundError(f"step {step} has no shard for role {self.role}; roles present: {sorted(shards)}")
         owned = into is None and not view  # the caller gets tensors that no slot reuse can touch
-        to_device = cuda_present() and (view or _holds_cuda(into) or (owned and _saved_on_device(me["header"])))
+        # views stay on the private mapping, unpinned: pinning it would copy every page (map_shard)
+        to_device = cuda_present() and not view and (_holds_cuda(into) or (owned and _saved_on_device(me["header"])))
         pins: list[Registration] | None = [] if to_device else None
         header, storages = role_storages(self.role, shards, self.layout.dp_peers(), step, owned, pins)
         try:
@@ -172,11 +172,8 @@ class RestoreAgreement:
                 storages = _onto_devices(header, storages, self.copy)
             state = decode(header, storages, into, copy=self.copy, mesh=mesh)
         finally:
-            if view:
-                self._view_pins.extend(pins or [])  # pinned host views, until close()
-            else:
-                for pin in pins or []:
-                    pin.release()  # every copy out of them has completed
+            for pin in pins or []:
+                pin.release()  # every copy out of them has completed
         return Restored(step, state, source)
 
     def _restorable(self, below: int | None, step: int | None = None) -> Found | None:
@@ -213,9 +210,6 @@ class RestoreAgreement:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for pin in self._view_pins:
-            pin.release()
-        self._view_pins = []
 
 
 def ask_restorable(call: Callable[[proto.Request], Any], req: proto.Restorable, timeout_s: float, role: str = "") -> proto.RestorableReply:
