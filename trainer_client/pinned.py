@@ -1,5 +1,5 @@
-"""Page-locking memory ffplane already has mapped (a daemon slot, a cached step, a restored
-shard) so CUDA copies to and from it run asynchronously at full PCIe bandwidth.
+"""Page-locking memory ffplane already has mapped (a daemon slot, a restored shard) so CUDA
+copies to and from it run asynchronously at full PCIe bandwidth.
 
 ``cudaHostRegister`` pins an existing mapping in place: no second host buffer, no per-save
 allocation, and the pages stay the shared-memory files the daemon reads. A slot is registered
