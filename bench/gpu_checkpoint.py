@@ -32,13 +32,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import mmap
-import os
 import secrets
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -48,11 +45,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, huge_tmpfs, ratio, repeat, summary, write_results  # noqa: E402
-from dataserver.protocol.pagemap import populate_read  # noqa: E402
 from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
 from statestore.slots import SLOTS  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
 from trainer_client._device_copy import copy_now  # noqa: E402
+from trainer_client._restore import map_file  # noqa: E402
 from trainer_client.pinned import Registration  # noqa: E402
 
 _CHUNK = 256 << 20  # bytes per saved tensor (a large layer's weights)
@@ -108,20 +105,6 @@ def bare_copies(state: dict[str, torch.Tensor], device: str, repeats: int) -> di
     return {"bare_d2h_s": d2h, "bare_h2d_s": h2d, "host_pinned": pin.nbytes if device == "cuda" else 0}
 
 
-def _map_read_only(path: Path, size: int) -> torch.Tensor:
-    """``path`` mapped shared and read-only, faulted in: what a CUDA restore maps."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only on purpose
-        host = torch.frombuffer(mm, dtype=torch.uint8)
-    populate_read(host.data_ptr(), size)
-    return host
-
-
 def restore_parts(state: dict[str, torch.Tensor], device: str, where: Path, repeats: int) -> dict[str, Any]:
     """What a restore from a fresh process pays before its copies, on the daemon's tmpfs: mapping
     a shard (shared, read-only) and faulting it in, page-locking it and unlocking it; and the
@@ -129,14 +112,14 @@ def restore_parts(state: dict[str, torch.Tensor], device: str, where: Path, repe
     path = where / f"bench-restore-parts-{secrets.token_hex(3)}"
     with open(path, "wb") as f:
         for t in state.values():
-            f.write(t.view(-1).view(torch.uint8).cpu().numpy().tobytes())
+            f.write(t.view(-1).view(torch.uint8).cpu().numpy())
     sizes = [t.numel() * t.element_size() for t in state.values()]
     parts: dict[str, list[float]] = {"map_populate_s": [], "register_s": [], "unregister_s": [], "pageable_h2d_s": []}
     try:
         flat = [t.view(-1).view(torch.uint8) for t in state.values()]
         for _ in range(repeats):
             t = time.perf_counter()
-            host = _map_read_only(path, sum(sizes))
+            host = map_file(path, shared_read_only=True)
             parts["map_populate_s"].append(time.perf_counter() - t)
             views, at = [], 0
             for n in sizes:
@@ -187,7 +170,7 @@ def step_times(state: dict[str, torch.Tensor], device: str, socket: Path, repeat
     run(None)  # warm-up: kernels loaded, the optimizer's buffers made
     plain = repeat(lambda: run(None), repeats)
     ckpt = Checkpointer(f"overlap-{secrets.token_hex(2)}", socket_path=socket, overlap_with=opt)
-    for _ in range(SLOTS):  # every slot allocated, pinned and pre-faulted once
+    for _ in range(-(-SLOTS // steps)):  # every slot allocated, pinned and pre-faulted once
         run(ckpt)
     waits: list[float] = []
     blocks: list[float] = []
@@ -296,7 +279,7 @@ def _dcp(state: dict[str, torch.Tensor], device: str, work: Path, repeats: int, 
         d = Path("/dev/shm") / f"ffplane-gpu-bench-dcp-{next(runs)}"
         sync(device)
         t = time.perf_counter()
-        res = dcp.async_save(state, checkpoint_id=str(d), async_stager=stager) if stager else dcp.async_save(state, checkpoint_id=str(d))
+        res = dcp.async_save(state, checkpoint_id=str(d), async_stager=stager)  # None: its default staging
         block = time.perf_counter() - t
         fut = getattr(res, "upload_completion", res)
         fut.result()

@@ -241,33 +241,39 @@ def reduce_min(group: Any, values: list[int]) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
-def map_shard(shard: dict[str, Any], pins: list[Registration] | None = None) -> torch.Tensor:
-    """A shard's bytes as a uint8 tensor over a private (copy-on-write) mapping of its file;
-    with ``pins``, over a shared read-only mapping, page-locked for CUDA copies, its
-    registration appended there for the caller to release.
-
-    Not the private mapping for a pin: Linux breaks copy-on-write up front for a long-term
-    read-only pin of a writable private mapping (every page copied: 0.8 s a GiB on an H100 host),
-    and on a huge-page tmpfs such a pin never returned (``bench/gpu_checkpoint.py``)."""
-    fd = os.open(shard["path"], os.O_RDONLY)
+def map_file(path: str | Path, shared_read_only: bool = False) -> torch.Tensor:
+    """The whole file as a uint8 tensor over a mapping, faulted in: private (copy-on-write, so a
+    caller's in-place change cannot reach the daemon's file) or shared and read-only — what a
+    CUDA copy may page-lock. Linux breaks copy-on-write up front for a long-term pin of a writable
+    private mapping, read-only pin or not (every page copied: 0.8 s a GiB on an H100 host), and on
+    a huge-page tmpfs such a pin never returned (``bench/gpu_checkpoint.py``)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        if pins is None:
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        else:
+        if shared_read_only:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        else:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": read-only on purpose
         whole = torch.frombuffer(mm, dtype=torch.uint8)
     populate_read(whole.data_ptr(), size)
+    return whole
+
+
+def map_shard(shard: dict[str, Any], pins: list[Registration] | None = None) -> torch.Tensor:
+    """A shard's bytes over a private mapping of its file (``map_file``); with ``pins``, over a
+    shared read-only one, page-locked for CUDA copies, its registration appended there for the
+    caller to release."""
+    whole = map_file(shard["path"], shared_read_only=pins is not None)
+    begin, n = int(shard["offset"]), int(shard["nbytes"])
+    if begin + n > whole.numel():  # checked before a pin, which nobody would release after this raise
+        raise CorruptError(f"shard {shard['path']} is shorter than its header says")
     if pins is not None:
         pins.append(Registration(whole, read_only=True))
-    begin = int(shard["offset"])
-    if begin + int(shard["nbytes"]) > size:
-        raise CorruptError(f"shard {shard['path']} is shorter than its header says")
-    return whole[begin : begin + int(shard["nbytes"])]
+    return whole[begin : begin + n]
 
 
 def role_storages(

@@ -91,19 +91,19 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     model, opt, mesh = _job(**shape)
+    device = next(model.parameters()).device
     ckpt = Checkpointer("fsdp2", Layout.from_mesh(mesh), socket_path=sock)  # the role from the mesh
     if mode == "train":
         gen = torch.Generator().manual_seed(rank // tp)  # a tp group sees the same batch
         for step in range(1, int(argv[4]) + 1):
-            x = torch.randn(16, 24, generator=gen).to("cuda" if cuda else "cpu")
+            x = torch.randn(16, 24, generator=gen).to(device)
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
             ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
         ckpt.wait()
         full = {**_full(model.state_dict()), **_full(opt.state_dict()["state"])}
-        local = torch.tensor([sum(t.nbytes for t in _local(model.state_dict()) + _local(opt.state_dict()["state"]))])
-        local = local.cuda() if cuda else local
+        local = torch.tensor([sum(t.nbytes for t in _local(model.state_dict()) + _local(opt.state_dict()["state"]))], device=device)
         dist.all_reduce(local)  # what every rank holding its own copy of its local parts would save
         if rank == 0:
             torch.save({**full, "local_bytes": local.cpu()}, argv[3])

@@ -477,7 +477,7 @@ def test_batches_arrive_on_the_device_as_the_host_reads_them(
     common = {"dataserver": dataserver.url, "token": TOKEN, "socket_path": root / "daemon.sock"}
     host = _read_all(DataLoader("j1", 1, **common))  # type: ignore[arg-type]
     pinned = DataLoader("j1", 1, pin_memory=True, **common)  # type: ignore[arg-type]
-    on_device = [{k: v.clone() for k, v in b.items()} for b in DataLoader("j1", 1, device="cuda", pin_memory=True, **common)]  # type: ignore[arg-type]
+    on_device = [{k: v.clone() for k, v in b.items()} for b in DataLoader("j1", 1, device="cuda", **common)]  # type: ignore[arg-type]
     assert len(on_device) == len(host) == 12
     for h, d in zip(host, on_device):
         assert d["tokens"].is_cuda and torch.equal(d["tokens"].cpu(), h["tokens"])

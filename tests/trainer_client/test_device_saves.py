@@ -111,6 +111,7 @@ def test_a_shard_mapped_for_device_copies_is_shared_and_read_only(tmp_path: Path
     every page of one when it is pinned long-term (0.8 s a GiB on an H100 host), and on a
     huge-page tmpfs the pin never returned. Without a pin the mapping stays private (a caller's
     in-place change cannot reach the daemon's file)."""
+    from dataserver.protocol.errors import CorruptError
     from trainer_client._restore import map_shard
 
     path = tmp_path / "shard"
@@ -130,6 +131,10 @@ def test_a_shard_mapped_for_device_copies_is_shared_and_read_only(tmp_path: Path
     assert perms(private) == "rw-p"
     private[0] = 7  # copy-on-write: the file keeps its byte
     assert path.read_bytes()[256] == 0
+    pins: list[Any] = []
+    with pytest.raises(CorruptError, match="shorter than its header says"):
+        map_shard({**shard, "nbytes": 1 << 20}, pins)
+    assert pins == []  # refused before the pin: the caller's release never runs on this path
 
 
 def test_state_on_another_device_is_refused_by_name(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
@@ -148,7 +153,7 @@ def test_state_on_another_device_is_refused_by_name(start_daemon: Callable[..., 
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("overlapped", [False, True])
-def test_cuda_state_round_trips_into_onto_and_as_pinned_views(start_daemon: Callable[..., Proc], shm_root: Path, overlapped: bool) -> None:
+def test_cuda_state_round_trips_into_onto_and_as_private_views(start_daemon: Callable[..., Proc], shm_root: Path, overlapped: bool) -> None:
     start_daemon()
     sock = shm_root / "daemon.sock"
     saved, ckpt = _train("cuda", 4, lambda opt: Checkpointer("gpu", socket_path=sock, overlap_with=opt if overlapped else None))
