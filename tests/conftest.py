@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -96,8 +97,6 @@ def shm_root() -> Iterator[Path]:
 def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs mounted ``huge=within_size`` (the recommended daemon root), unmounted after;
     skipped where it cannot be mounted (not root)."""
-    import subprocess
-
     where = tmp_path / "huge"
     where.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m,huge=within_size", "tmpfs", str(where)], capture_output=True, text=True)
