@@ -99,11 +99,12 @@ def test_a_replica_that_cannot_be_verified_is_quarantined(tmp_path: Path, data_d
         for step in range(1, 4):
             ck.save(step, _state(step))
         ck.close()
-        until(lambda: len(httpx.get(c.daemons[1].url + "/v1/state").json()["replicas"]) == 2, what="two replicas on n1")
+        held = lambda: sorted(r["step"] for r in httpx.get(c.daemons[1].url + "/v1/state").json()["replicas"])  # noqa: E731
+        until(lambda: held() == [2, 3], what="steps 2 and 3 replicated on n1")
         c.daemons[1].kill(signal.SIGKILL)
         root = c.roots[1]
-        replicas = sorted(root.glob(f"job/replica/{ROLE}/*.bin"))
-        with open(replicas[-1], "r+b") as f:  # step 3's bytes damaged
+        # by name: the glob also finds the role's spare (step 1's retired file), which sorts last
+        with open(root / f"job/replica/{ROLE}/{3:012d}.bin", "r+b") as f:  # step 3's bytes damaged
             f.write(b"\xff" * 16)
         shutil.rmtree(root / "_index")
         c.start_daemon(budget_mb=64, index=1)
