@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from bench import data_path
 
 
@@ -113,6 +115,7 @@ def test_link_gate_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "lg.json").exists()
 
 
+@pytest.mark.slow  # ~2.5 min; the demo, node-loss and soak tests recover the same failures in the default run
 def test_recovery_smoke(tmp_path: Path) -> None:
     """Both sides of bench/recovery.py start, fail, recover and are timed (one of each failure)."""
     from bench import recovery

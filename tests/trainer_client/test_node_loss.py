@@ -1,6 +1,7 @@
 """A whole node lost and a link cut under a 3-node x 2-worker DDP job (gloo, CPU): every role
 restores the same step from the surviving copies, wherever it lands, and the run ends bitwise-equal
-to one without failures. Runs on loopback, and in network namespaces when root."""
+to one without failures. Runs in network namespaces when root (CI is), and on loopback with the
+slow tests (``-m slow``): the same scenario, a frozen daemon standing in for the cut link."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.trainer_client._ddp_cluster import DdpRun, losses
 STEPS = 24
 
 
-@pytest.fixture(params=["loopback", "netns"])
+@pytest.fixture(params=[pytest.param("loopback", marks=pytest.mark.slow), "netns"])
 def cluster(request: pytest.FixtureRequest, tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
     with cluster_in(request.param, tmp_path, data_dir, nodes=5) as c:  # the data server, three nodes, one replacement
         yield c
