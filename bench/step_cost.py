@@ -25,6 +25,9 @@ process (workers, node daemons, data servers, torchrun agents; bench/_proc_cpu.p
 are shared by all of them, so a variant's extra CPU per step, over 2 cores, is roughly its extra
 step time.
 
+Each variant's rate is also divided by plain's (and ffplane's by the floor's) within each repeat,
+where they ran back to back: ``same_repeat_*`` figures, which drift between repeats does not move.
+
 Writes bench/results/step_cost.json.
 """
 
@@ -135,10 +138,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ratio": ratio(figures["steps_per_min_ffplane"], figures["steps_per_min_floor"]),
             "target": "(reported)",
         }
+    # each repeat's variants ran back to back, so a repeat's ratio cancels the machine's drift
+    # between repeats (here it moves plain's own rate by up to a third from one run to the next)
+    pairs = [(v, "plain") for v in variants if v != "plain"] + ([("ffplane", "floor")] if {"ffplane", "floor"} <= set(variants) else [])
+    for v, base_v in pairs:
+        figures[f"same_repeat_{v}_vs_{base_v}"] = summary([a / b for a, b in zip(samples[v], samples[base_v])])
     config = {"nodes": 2, "workers_per_node": 2, "steps": args.steps, "repeats": args.repeats, "launcher": "torchrun (c10d, one per node)"}
     path = write_results(args.out, figures, config, checks, args.results_dir)
     rates = [(k, v) for k, v in figures.items() if k.startswith("steps_per_min_")]
     print_table([(k, v, "(baseline)" if k.endswith("plain") else f"{ratio(v, base):.2f} x plain") for k, v in rates], "steps/min")
+    print_table([(k, v, "(same repeat)") for k, v in figures.items() if k.startswith("same_repeat_")], "ratio")
     _print_cpu(cpu)
     print(f"wrote {path}")
     return {"figures": figures, "targets": checks}

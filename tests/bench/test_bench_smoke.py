@@ -139,6 +139,11 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
     out = step_cost.main(["--steps", "20", "--repeats", "1", "--variants", "plain,floor,ffplane", "--results-dir", str(tmp_path)])
     assert all(out["figures"][f"steps_per_min_{v}"]["median"] > 0 for v in ("plain", "floor", "ffplane"))
     assert set(out["targets"]) == {"floor_vs_plain", "ffplane_vs_plain", "ffplane_vs_floor"}
+    assert {k for k in out["figures"] if k.startswith("same_repeat_")} == {
+        "same_repeat_floor_vs_plain",
+        "same_repeat_ffplane_vs_plain",
+        "same_repeat_ffplane_vs_floor",
+    }
 
 
 # a small dataset and few steps, for the benchmarks that walk the data path
