@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from statestore._waits import until_set
 from statestore.heartbeat import Heartbeat
 from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
 from statestore.replicas import ReplicaStore
@@ -113,7 +112,10 @@ class Replicator:
                         extra={"job": job, "role": role, "step": step, "replica_needed": need, "to": self.successor},
                     )
                     return
-                await until_set(self._progress, min(left, 0.5))
+                try:
+                    await asyncio.wait_for(self._progress.wait(), timeout=min(left, 0.5))
+                except asyncio.TimeoutError:
+                    pass
         finally:
             self._awaited.pop((job, role), None)
             waited = time.monotonic() - started
@@ -165,7 +167,10 @@ class Replicator:
     async def run(self) -> None:
         backoff = 0.2
         while True:
-            await until_set(self._wake, 0.5)
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
             self._wake.clear()
             view = self.heartbeat.view
             succ, addr = view.get("successor"), view.get("successor_address")

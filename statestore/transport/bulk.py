@@ -30,7 +30,6 @@ from urllib.parse import urlsplit
 
 from dataserver.httpserver import BearerAuth
 from dataserver.protocol.errors import CorruptError, FFPlaneError, StaticHeaderUnknownError
-from statestore._waits import within
 from statestore.link_gate import LinkGate, Priority
 from statestore.replicas import ReplicaStore
 from statestore.shard import LocalShard
@@ -261,7 +260,7 @@ class _Connection:
         self._deliver()
         if not waiter.done() and self._error is not None:
             raise self._error
-        return await within(waiter, _STALL_S)
+        return await asyncio.wait_for(waiter, _STALL_S)
 
     def _readable(self) -> None:
         try:
@@ -330,7 +329,7 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
 
     loop.add_writer(sock.fileno(), wake)
     try:
-        await within(ready, _STALL_S)
+        await asyncio.wait_for(ready, _STALL_S)
     finally:
         loop.remove_writer(sock.fileno())
 
