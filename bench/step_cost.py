@@ -27,6 +27,7 @@ step time.
 
 Each variant's rate is also divided by plain's (and ffplane's by the floor's) within each repeat,
 where they ran back to back: ``same_repeat_*`` figures, which drift between repeats does not move.
+``--pool bench/results/step_cost*.json`` prints them over every repeat of several runs.
 
 Writes bench/results/step_cost.json.
 """
@@ -34,6 +35,7 @@ Writes bench/results/step_cost.json.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -93,7 +95,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     ap.add_argument("--out", default="step_cost")
+    ap.add_argument(
+        "--pool", nargs="+", type=Path, metavar="JSON", help="print the same-repeat ratios pooled over these result files; no run"
+    )
     args = ap.parse_args(argv)
+    if args.pool:
+        return {"figures": pool(args.pool)}
     variants = args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown or "plain" not in variants:
@@ -138,11 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ratio": ratio(figures["steps_per_min_ffplane"], figures["steps_per_min_floor"]),
             "target": "(reported)",
         }
-    # each repeat's variants ran back to back, so a repeat's ratio cancels the machine's drift
-    # between repeats (here it moves plain's own rate by up to a third from one run to the next)
-    pairs = [(v, "plain") for v in variants if v != "plain"] + ([("ffplane", "floor")] if {"ffplane", "floor"} <= set(variants) else [])
-    for v, base_v in pairs:
-        figures[f"same_repeat_{v}_vs_{base_v}"] = summary([a / b for a, b in zip(samples[v], samples[base_v])])
+    figures.update(same_repeat(samples, groups[0]))
     config = {"nodes": 2, "workers_per_node": 2, "steps": args.steps, "repeats": args.repeats, "launcher": "torchrun (c10d, one per node)"}
     path = write_results(args.out, figures, config, checks, args.results_dir)
     rates = [(k, v) for k, v in figures.items() if k.startswith("steps_per_min_")]
@@ -151,6 +154,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _print_cpu(cpu)
     print(f"wrote {path}")
     return {"figures": figures, "targets": checks}
+
+
+def same_repeat(samples: dict[str, list[float]], together: list[str]) -> dict[str, dict[str, Any]]:
+    """Each variant's rate over plain's (and ffplane's over the floor's), repeat by repeat, for the
+    variants that ran back to back in one cluster (``together``): the machine's drift between
+    repeats (here up to a third of plain's own rate) cancels. The daemons' variants ran in clusters
+    of their own, after the others, so they have no same-repeat partner."""
+    pairs = [(v, "plain") for v in together if v != "plain"] + ([("ffplane", "floor")] if {"ffplane", "floor"} <= set(together) else [])
+    return {f"same_repeat_{v}_vs_{b}": summary([x / y for x, y in zip(samples[v], samples[b])]) for v, b in pairs}
+
+
+def pool(paths: list[Path]) -> dict[str, Any]:
+    """The same-repeat ratios over every repeat of several result files (their samples are in
+    repeat order), printed; no run."""
+    pooled: dict[str, list[float]] = {}
+    for path in paths:
+        figures = json.loads(path.read_text())["figures"]
+        samples = {v: figures[f"steps_per_min_{v}"]["samples"] for v in VARIANTS if f"steps_per_min_{v}" in figures}
+        for name, fig in same_repeat(samples, [v for v in samples if v not in DAEMON_ARGS]).items():
+            pooled.setdefault(name, []).extend(fig["samples"])
+    figures = {name: summary(ratios) for name, ratios in sorted(pooled.items())}
+    print_table([(k, v, f"{len(v['samples'])} repeats") for k, v in figures.items()], "ratio")
+    met = figures.get("same_repeat_ffplane_vs_plain")
+    if met is not None:
+        print(f"ffplane >= 0.8x plain in {sum(r >= 0.8 for r in met['samples'])} of {len(met['samples'])} repeats")
+    return figures
 
 
 def _print_cpu(cpu: dict[str, dict[str, list[float]]]) -> None:

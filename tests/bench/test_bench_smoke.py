@@ -146,6 +146,25 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
     }
 
 
+def test_step_cost_pairs_only_variants_that_ran_back_to_back_and_pools_files(tmp_path: Path) -> None:
+    """A daemon variant (its own cluster, after the others) gets no same-repeat ratio; --pool reads
+    result files and pools their repeats."""
+    from bench import step_cost
+
+    samples = {"plain": [100.0, 50.0], "floor": [90.0, 45.0], "ffplane": [80.0, 45.0], "no_replicate": [10.0, 10.0]}
+    got = step_cost.same_repeat(samples, ["plain", "floor", "ffplane"])
+    assert set(got) == {"same_repeat_floor_vs_plain", "same_repeat_ffplane_vs_plain", "same_repeat_ffplane_vs_floor"}
+    assert got["same_repeat_ffplane_vs_plain"]["samples"] == [0.8, 0.9]
+    files = []
+    for i in range(2):
+        figures = {f"steps_per_min_{v}": {"samples": s} for v, s in samples.items()}
+        files.append(tmp_path / f"run{i}.json")
+        files[-1].write_text(json.dumps({"figures": figures}))
+    pooled = step_cost.main(["--pool", *map(str, files)])["figures"]
+    assert pooled["same_repeat_ffplane_vs_floor"]["samples"] == [80 / 90, 1.0, 80 / 90, 1.0]
+    assert not any("no_replicate" in k for k in pooled)
+
+
 # a small dataset and few steps, for the benchmarks that walk the data path
 _SMALL_PATH = "--gib 0.02 --batch 32 --seq 256 --steps 8 --repeats 1 --huge off".split()
 

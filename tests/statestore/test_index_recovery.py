@@ -99,8 +99,10 @@ def test_a_replica_that_cannot_be_verified_is_quarantined(tmp_path: Path, data_d
         for step in range(1, 4):
             ck.save(step, _state(step))
         ck.close()
-        held = lambda: sorted(r["step"] for r in httpx.get(c.daemons[1].url + "/v1/state").json()["replicas"])  # noqa: E731
-        until(lambda: held() == [2, 3], what="steps 2 and 3 replicated on n1")
+        until(
+            lambda: sorted(r["step"] for r in httpx.get(c.daemons[1].url + "/v1/state").json()["replicas"]) == [2, 3],
+            what="steps 2 and 3 replicated on n1",
+        )
         c.daemons[1].kill(signal.SIGKILL)
         root = c.roots[1]
         # by name: the glob also finds the role's spare (step 1's retired file), which sorts last
