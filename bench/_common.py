@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -37,6 +38,14 @@ def cpu_s(pid: int) -> float:
 def summary(samples: list[float]) -> dict[str, Any]:
     """min/median/max of ``samples``, plus every sample."""
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples), "samples": samples}
+
+
+def ci90_of_median(ratios: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A bootstrap 90 % interval of the median of ``ratios`` (paired ratios, one per round or
+    repeat): how far the median could move on another run of as many."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return medians[int(0.05 * resamples)], medians[int(0.95 * resamples) - 1]
 
 
 def repeat(fn: Callable[[], float], times: int) -> dict[str, Any]:

@@ -32,7 +32,6 @@ Results: ``bench/results/overhead.json`` and ``overhead.png``.
 from __future__ import annotations
 
 import argparse
-import random
 import secrets
 import shutil
 import statistics
@@ -47,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, bar_chart, ratio, summary, write_results  # noqa: E402
+from bench._common import RESULTS, bar_chart, ci90_of_median, ratio, summary, write_results  # noqa: E402
 from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
 from statestore.protocol.checksum import checksum  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
@@ -169,20 +168,17 @@ def _tensors(node: Any) -> list[torch.Tensor]:
     return []
 
 
-def _ci90_of_median(ratios: list[float], resamples: int = 2000) -> tuple[float, float]:
-    """A bootstrap 90 % interval of the median paired ratio: with per-step noise of ~4 % here,
-    48 rounds pin the median to about ±0.01 — the size of the effect being measured."""
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return medians[int(0.05 * resamples)], medians[int(0.95 * resamples) - 1]
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="cnn,mlp", help="cnn (the overhead_ratio target) and/or mlp (state-heavy)")
     p.add_argument("--batch", type=int, default=6144, help="rows per step of the mlp")
     p.add_argument("--steps", type=int, default=3, help="timed steps per block (one more runs untimed first)")
-    p.add_argument("--rounds", type=int, default=48, help="rounds of one block per mode")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=48,
+        help="rounds of one block per mode (with ~4 %% noise a step here, 48 pin the median ratio to about ±0.01)",
+    )
     p.add_argument("--out", default="overhead")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -232,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             figures[f"paired_ratio_{m}{suffix}"] = summary(v)
             checks[f"overhead_ratio_{m}{suffix}"] = {
                 "ratio": statistics.median(v),
-                "ci90": _ci90_of_median(v),
+                "ci90": ci90_of_median(v),
                 "target": "<= 1.01" if m == "ffplane" and kind == "cnn" else "(reported)",
                 "ratio_of_medians": ratio(figures[f"step_s_{m}{suffix}"], figures[f"step_s_none{suffix}"]),
             }

@@ -138,7 +138,8 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
 
     out = step_cost.main(["--steps", "20", "--repeats", "1", "--variants", "plain,floor,ffplane", "--results-dir", str(tmp_path)])
     assert all(out["figures"][f"steps_per_min_{v}"]["median"] > 0 for v in ("plain", "floor", "ffplane"))
-    assert set(out["targets"]) == {"floor_vs_plain", "ffplane_vs_plain", "ffplane_vs_floor"}
+    assert set(out["targets"]) == {"floor_vs_plain", "ffplane_vs_plain", "ffplane_vs_floor", "same_repeat_ffplane_vs_plain"}
+    assert out["targets"]["same_repeat_ffplane_vs_plain"]["target"] == ">= 0.8"  # the judged figure
     assert {k for k in out["figures"] if k.startswith("same_repeat_")} == {
         "same_repeat_floor_vs_plain",
         "same_repeat_ffplane_vs_plain",
@@ -162,6 +163,8 @@ def test_step_cost_pairs_only_variants_that_ran_back_to_back_and_pools_files(tmp
         files[-1].write_text(json.dumps({"figures": figures}))
     pooled = step_cost.main(["--pool", *map(str, files)])["figures"]
     assert pooled["same_repeat_ffplane_vs_floor"]["samples"] == [80 / 90, 1.0, 80 / 90, 1.0]
+    lo, hi = pooled["same_repeat_ffplane_vs_floor"]["ci90"]  # the median's bootstrap interval, within the samples
+    assert 80 / 90 <= lo <= hi <= 1.0 and lo < hi
     assert not any("no_replicate" in k for k in pooled)
 
 
