@@ -14,7 +14,9 @@ restore with > 2 ranks), ``no_hook`` (no link hints, no wait for the last save's
 else of ffplane), ``no_save_buckets`` (``no_save`` with ``buckets``: what the reproducible reduction
 costs where nothing is saved); and of the daemons (each in a cluster of its own, after the others): ``http_push``
 (replicas pushed over HTTP, ``--bulk-port -1``), ``no_replicate`` (no replicas at all),
-``fetch_single`` (one data-server request per step, ``--fetch-steps 1``, instead of runs). And the
+``fetch_single`` (one data-server request per step, ``--fetch-steps 1``, instead of runs),
+``no_replica_wait`` (a commit answered before its replica exists, ``--replica-max-lag 0``: what the
+at-most-one-lost-step wait costs; not a safe setting). And the
 floor: ``floor`` is the plain job doing, every step, the least that keeping each step's state on
 another process costs (copy, XXH3, a TCP send and a receive + XXH3 there: bench/_plain_job.py).
 A step here is tiny (~25 ms of compute on 4 workers sharing 2 cores), so fixed per-step costs
@@ -55,11 +57,17 @@ from trainer_client.events import SKIP_ENV  # noqa: E402
 PLAIN = Path(__file__).resolve().parent / "_plain_job.py"
 ABLATE = Path(__file__).resolve().parent / "_ablate_job.py"
 VARIANTS = (
-    "plain", "floor", "ffplane", "per_tensor", "buckets", "no_hook", "no_save", "data_only", "no_save_buckets", "http_push", "no_replicate", "fetch_single",
+    "plain", "floor", "ffplane", "per_tensor", "buckets", "no_hook", "no_save", "data_only", "no_save_buckets", "http_push", "no_replicate",
+    "fetch_single", "no_replica_wait",
 )  # fmt: skip
 ABLATIONS = {"data_only": "no_save+no_hook", "no_save_buckets": "no_save+buckets"}  # variants that combine ablations of the job
 # variants of the daemons rather than the job: run as ffplane, on daemons started with these flags
-DAEMON_ARGS = {"http_push": ["--bulk-port", "-1"], "no_replicate": ["--no-replicate"], "fetch_single": ["--fetch-steps", "1"]}
+DAEMON_ARGS = {
+    "http_push": ["--bulk-port", "-1"],
+    "no_replicate": ["--no-replicate"],
+    "fetch_single": ["--fetch-steps", "1"],
+    "no_replica_wait": ["--replica-max-lag", "0"],
+}
 
 
 def steps_per_min(jobs: LocalJobs, variant: str, job: str) -> tuple[float, dict[str, float]]:

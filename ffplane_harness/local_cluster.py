@@ -6,6 +6,7 @@ Each server is started with ``--port 0 --ready-file F`` and is ready when F name
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -98,7 +99,8 @@ def start(
     raise RuntimeError(f"{name} did not become ready in {timeout_s}s:\n{log_path.read_text()}")
 
 
-_ROOT_PREFIX = "ffplane-local-"  # a daemon root: ffplane-local-<maker's pid>-<node>
+_ROOT_PREFIX = "ffplane-local-"  # a daemon root: ffplane-local-<maker's pid>-<cluster>-<node>
+_made = itertools.count()  # clusters made by this process: several may run at once (bench/step_cost.py)
 
 
 def orphaned_roots(parent: Path = Path("/dev/shm")) -> list[Path]:
@@ -133,6 +135,7 @@ class LocalCluster:
         self.dataservers: list[Proc] = []  # with --etcd there may be several; daemons are given them all
         self.daemons: list[Proc] = []
         self.roots: list[Path] = []
+        self._serial = next(_made)
         for root in orphaned_roots(shm_parent):  # a maker killed before its close() (SIGTERM, SIGKILL)
             shutil.rmtree(root, ignore_errors=True)
 
@@ -181,11 +184,15 @@ class LocalCluster:
                 raise TimeoutError(f"no data server of {self.dataserver_urls} coordinates after {timeout_s:.0f} s")
             time.sleep(0.1)
 
+    def root(self, node: int) -> Path:
+        """Daemon ``node``'s shared-memory root: unique to this cluster, so one process may run several."""
+        return self.shm_parent / f"{_ROOT_PREFIX}{os.getpid()}-{self._serial}-{node}"
+
     def start_daemon(self, *extra: str, budget_mb: int = 1024, index: int | None = None) -> Proc:
         """Start daemon ``index`` (default: the next one); restarting an index reuses its root."""
         assert self.dataserver is not None, "start the data server first"
         i = len(self.daemons) if index is None else index
-        root = self.shm_parent / f"{_ROOT_PREFIX}{os.getpid()}-{i}"
+        root = self.root(i)
         if root not in self.roots:
             self.roots.append(root)
         host, wrap = self._place(i + 1 if self.net else 0)
