@@ -40,7 +40,7 @@ class _Snapshot:
     cpu: dict[int, tuple[str, float]] = field(default_factory=dict)  # pid → (kind, CPU seconds)
 
 
-def _snapshot(root: int) -> _Snapshot:
+def _snapshot(root: int, skip: frozenset[int] = frozenset()) -> _Snapshot:
     parents: dict[int, int] = {}  # pid → parent
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -49,7 +49,7 @@ def _snapshot(root: int) -> _Snapshot:
             continue  # a process that just ended
     snap, frontier = _Snapshot(time.time()), {root}
     while frontier:
-        kids = {p for p, pp in parents.items() if pp in frontier}
+        kids = {p for p, pp in parents.items() if pp in frontier and p not in skip}
         for p in kids:
             try:
                 cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -61,10 +61,12 @@ def _snapshot(root: int) -> _Snapshot:
 
 
 class CpuSampler:
-    """Snapshots of every process below this one, every ``every_s``, while in a ``with`` block."""
+    """Snapshots of every process below this one, every ``every_s``, while in a ``with`` block;
+    ``skip``: processes left out with everything below them (another cluster's, idle)."""
 
-    def __init__(self, every_s: float = 0.25) -> None:
+    def __init__(self, every_s: float = 0.25, skip: frozenset[int] = frozenset()) -> None:
         self.every_s = every_s
+        self.skip = skip
         self.snapshots: list[_Snapshot] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
@@ -80,7 +82,7 @@ class CpuSampler:
     def _run(self) -> None:
         root = os.getpid()
         while not self._stop.is_set():
-            self.snapshots.append(_snapshot(root))
+            self.snapshots.append(_snapshot(root, self.skip))
             self._stop.wait(self.every_s)
 
     def per_step(self, step_times: list[float], ranks: int) -> dict[str, float]:

@@ -28,7 +28,10 @@ are shared by all of them, so a variant's extra CPU per step, over 2 cores, is r
 step time.
 
 Each variant's rate is also divided by plain's (and ffplane's by the floor's) within each repeat,
-where they ran back to back: ``same_repeat_*`` figures, which drift between repeats does not move.
+where they ran back to back: ``same_repeat_*`` figures (median and a bootstrap 90 % interval of
+it), which drift between repeats does not move; the 0.8x target is judged on ffplane's.
+``--together`` keeps the daemons' variants' clusters up for the whole run so that they pair too
+(``python bench/step_cost.py --together --variants plain,ffplane,no_replica_wait``).
 ``--pool bench/results/step_cost*.json`` prints them over every repeat of several runs.
 
 Writes bench/results/step_cost.json.
@@ -70,9 +73,10 @@ DAEMON_ARGS = {
 }
 
 
-def steps_per_min(jobs: LocalJobs, variant: str, job: str) -> tuple[float, dict[str, float]]:
+def steps_per_min(jobs: LocalJobs, variant: str, job: str, skip: frozenset[int] = frozenset()) -> tuple[float, dict[str, float]]:
     """One failure-free run of ``jobs.steps`` steps: steps per minute from the first step done
-    to the last (start-up excluded), and CPU ms per step by kind of process."""
+    to the last (start-up excluded), and CPU ms per step by kind of process (not counting
+    ``skip``: other clusters' servers, up and idle beside this one)."""
     os.environ.pop("FFPLANE_FLOOR", None)
     # every variant marks each step done ("saved"); the DataLoader's per-batch event (an XXH3 and
     # a file append a step, for the chaos soak) is the harness's, and only ffplane's variants would pay it
@@ -86,7 +90,7 @@ def steps_per_min(jobs: LocalJobs, variant: str, job: str) -> tuple[float, dict[
         jobs.script, jobs.script_args = ABLATE, []
         os.environ["FFPLANE_ABLATE"] = "" if variant in ("ffplane", *DAEMON_ARGS) else ABLATIONS.get(variant, variant)
         jobs.post("/v1/jobs", {"name": job, "dataset": "tokens", "dp": 4, "batch_per_rank": 8, "seed": 0, "max_steps": jobs.steps})
-    with CpuSampler() as cpu:
+    with CpuSampler(skip=skip) as cpu:
         nodes = jobs.launch_job(job, [0, 1])
         jobs.wait_done(nodes, timeout_s=600)
     done = [e["t"] for e in jobs.events(job) if e["kind"] == "saved"]
@@ -104,6 +108,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     ap.add_argument("--out", default="step_cost")
     ap.add_argument(
+        "--together",
+        action="store_true",
+        help="keep the daemons' variants' clusters up beside the first and rotate every variant into each repeat, so they get "
+        "same-repeat ratios too (each idle cluster costs every run its heartbeats; the CPU figures leave its processes out)",
+    )
+    ap.add_argument(
         "--pool", nargs="+", type=Path, metavar="JSON", help="print the same-repeat ratios pooled over these result files; no run"
     )
     args = ap.parse_args(argv)
@@ -115,19 +125,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--variants must include plain and come from {VARIANTS}; got {sorted(unknown) or variants}")
     samples: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, dict[str, list[float]]] = {v: {} for v in variants}  # variant → kind → CPU ms per step, per run
-    # one cluster per daemon configuration; within one, variants rotate so drift hits all alike
+    # One cluster per daemon configuration. By default the daemons' variants run after the
+    # others, each on a cluster of its own; --together keeps every cluster up for the whole run.
+    # Within a phase, variants rotate so drift hits all alike.
     groups = [[v for v in variants if v not in DAEMON_ARGS]] + [[v] for v in variants if v in DAEMON_ARGS]
+    phases = [[v for group in groups for v in group]] if args.together else groups
     runs = 0
-    for group in groups:
-        work = Path(tempfile.mkdtemp(prefix="ffplane-step-cost-"))
-        jobs = LocalJobs(work, args.steps)
+    for phase in phases:
+        clusters: dict[str, LocalJobs] = {}
         try:
-            jobs.prepare([], rows=8192, daemon_args=DAEMON_ARGS.get(group[0], []))
+            for v in phase:
+                key = v if v in DAEMON_ARGS else ""
+                if key not in clusters:
+                    clusters[key] = LocalJobs(Path(tempfile.mkdtemp(prefix="ffplane-step-cost-")), args.steps)
+                    clusters[key].prepare([], rows=8192, daemon_args=DAEMON_ARGS.get(key, []))
             for r in range(args.repeats):
-                for v in group[r % len(group) :] + group[: r % len(group)]:
+                for v in phase[r % len(phase) :] + phase[: r % len(phase)]:
+                    jobs = clusters[v if v in DAEMON_ARGS else ""]
+                    idle = frozenset(
+                        p.pid for other in clusters.values() if other is not jobs for p in other.cluster.dataservers + other.cluster.daemons
+                    )
                     runs += 1
                     t = time.monotonic()
-                    rate, by_kind = steps_per_min(jobs, v, f"run{runs}")
+                    rate, by_kind = steps_per_min(jobs, v, f"run{runs}", idle)
                     samples[v].append(rate)
                     for kind, ms in by_kind.items():
                         cpu[v].setdefault(kind, []).append(ms)
@@ -135,8 +155,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         finally:
             for name in ("FFPLANE_ABLATE", "FFPLANE_FLOOR", SKIP_ENV):
                 os.environ.pop(name, None)
-            jobs.close()
-            shutil.rmtree(work, ignore_errors=True)
+            for jobs in clusters.values():
+                jobs.close()
+                shutil.rmtree(jobs.work, ignore_errors=True)
     figures = {f"steps_per_min_{v}": summary(s) for v, s in samples.items()}
     for v, kinds in cpu.items():
         for kind, per_run in kinds.items():
@@ -153,12 +174,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ratio": ratio(figures["steps_per_min_ffplane"], figures["steps_per_min_floor"]),
             "target": "(reported)",
         }
-    figures.update(same_repeat(samples, groups[0]))
+    figures.update(same_repeat(samples, phases[0]))
     judged = figures.get("same_repeat_ffplane_vs_plain")
     if judged is not None:  # the target's figure: drift between repeats moves the ratio of medians, not this
         checks["ffplane_vs_plain"]["target"] = "(reported: the target is judged on the same-repeat ratio)"
         checks["same_repeat_ffplane_vs_plain"] = {"ratio": judged["median"], "ci90": judged["ci90"], "target": ">= 0.8"}
-    config = {"nodes": 2, "workers_per_node": 2, "steps": args.steps, "repeats": args.repeats, "launcher": "torchrun (c10d, one per node)"}
+    config = {
+        "nodes": 2,
+        "workers_per_node": 2,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "launcher": "torchrun (c10d, one per node)",
+        "together": args.together,
+    }
     path = write_results(args.out, figures, config, checks, args.results_dir)
     rates = [(k, v) for k, v in figures.items() if k.startswith("steps_per_min_")]
     print_table([(k, v, "(baseline)" if k.endswith("plain") else f"{ratio(v, base):.2f} x plain") for k, v in rates], "steps/min")
@@ -171,8 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def same_repeat(samples: dict[str, list[float]], together: list[str]) -> dict[str, dict[str, Any]]:
     """Each variant's rate over plain's (and ffplane's over the floor's), repeat by repeat, for the
     variants that ran back to back in one cluster (``together``): the machine's drift between
-    repeats (here up to a third of plain's own rate) cancels. The daemons' variants ran in clusters
-    of their own, after the others, so they have no same-repeat partner."""
+    repeats (here up to 40 % of plain's own rate) cancels. Without ``--together`` the daemons'
+    variants ran in clusters of their own, after the others, so they have no same-repeat partner."""
     pairs = [(v, "plain") for v in together if v != "plain"] + ([("ffplane", "floor")] if {"ffplane", "floor"} <= set(together) else [])
     return {f"same_repeat_{v}_vs_{b}": _paired([x / y for x, y in zip(samples[v], samples[b])]) for v, b in pairs}
 
@@ -187,9 +215,10 @@ def pool(paths: list[Path]) -> dict[str, Any]:
     repeat order), printed; no run."""
     pooled: dict[str, list[float]] = {}
     for path in paths:
-        figures = json.loads(path.read_text())["figures"]
+        result = json.loads(path.read_text())
+        figures, together = result["figures"], result.get("config", {}).get("together", False)
         samples = {v: figures[f"steps_per_min_{v}"]["samples"] for v in VARIANTS if f"steps_per_min_{v}" in figures}
-        for name, fig in same_repeat(samples, [v for v in samples if v not in DAEMON_ARGS]).items():
+        for name, fig in same_repeat(samples, [v for v in samples if together or v not in DAEMON_ARGS]).items():
             pooled.setdefault(name, []).extend(fig["samples"])
     figures = {name: _paired(ratios) for name, ratios in sorted(pooled.items())}
     _print_paired(figures)

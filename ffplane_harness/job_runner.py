@@ -179,7 +179,8 @@ class LocalJobs:
             rdzv=self.rendezvous,
             local_addr=place.addr if place else "127.0.0.1",
             wrap=place.exec_argv if place else None,
-            warm_dir=Path(f"/dev/shm/ffw-{os.getpid()}-{len(self.nodes)}") if self.warm else None,  # a new node starts cold
+            # a new node starts cold, and another LocalJobs of this process has zygotes of its own
+            warm_dir=Path(f"/dev/shm/ffw-{os.getpid()}-{self.cluster.serial}-{len(self.nodes)}") if self.warm else None,
         )
         if prestart and node.warm_dir is not None:
             node.prestart()

@@ -100,7 +100,7 @@ def start(
 
 
 _ROOT_PREFIX = "ffplane-local-"  # a daemon root: ffplane-local-<maker's pid>-<cluster>-<node>
-_made = itertools.count()  # clusters made by this process: several may run at once (bench/step_cost.py)
+_made = itertools.count()  # clusters made by this process: several may run at once (a paired benchmark)
 
 
 def orphaned_roots(parent: Path = Path("/dev/shm")) -> list[Path]:
@@ -135,7 +135,7 @@ class LocalCluster:
         self.dataservers: list[Proc] = []  # with --etcd there may be several; daemons are given them all
         self.daemons: list[Proc] = []
         self.roots: list[Path] = []
-        self._serial = next(_made)
+        self.serial = next(_made)  # this cluster's number among those this process made
         for root in orphaned_roots(shm_parent):  # a maker killed before its close() (SIGTERM, SIGKILL)
             shutil.rmtree(root, ignore_errors=True)
 
@@ -186,7 +186,7 @@ class LocalCluster:
 
     def root(self, node: int) -> Path:
         """Daemon ``node``'s shared-memory root: unique to this cluster, so one process may run several."""
-        return self.shm_parent / f"{_ROOT_PREFIX}{os.getpid()}-{self._serial}-{node}"
+        return self.shm_parent / f"{_ROOT_PREFIX}{os.getpid()}-{self.serial}-{node}"
 
     def start_daemon(self, *extra: str, budget_mb: int = 1024, index: int | None = None) -> Proc:
         """Start daemon ``index`` (default: the next one); restarting an index reuses its root."""

@@ -148,8 +148,8 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
 
 
 def test_step_cost_pairs_only_variants_that_ran_back_to_back_and_pools_files(tmp_path: Path) -> None:
-    """A daemon variant (its own cluster, after the others) gets no same-repeat ratio; --pool reads
-    result files and pools their repeats."""
+    """A daemon variant (its own cluster, after the others) gets no same-repeat ratio unless the run
+    kept every cluster up (--together); --pool reads result files and pools their repeats."""
     from bench import step_cost
 
     samples = {"plain": [100.0, 50.0], "floor": [90.0, 45.0], "ffplane": [80.0, 45.0], "no_replicate": [10.0, 10.0]}
@@ -166,6 +166,10 @@ def test_step_cost_pairs_only_variants_that_ran_back_to_back_and_pools_files(tmp
     lo, hi = pooled["same_repeat_ffplane_vs_floor"]["ci90"]  # the median's bootstrap interval, within the samples
     assert 80 / 90 <= lo <= hi <= 1.0 and lo < hi
     assert not any("no_replicate" in k for k in pooled)
+    # a run with --together kept the daemons' clusters up and rotated them into every repeat: they pair
+    files[1].write_text(json.dumps({"figures": json.loads(files[1].read_text())["figures"], "config": {"together": True}}))
+    pooled = step_cost.main(["--pool", *map(str, files)])["figures"]
+    assert pooled["same_repeat_no_replicate_vs_plain"]["samples"] == [0.1, 0.2]
 
 
 # a small dataset and few steps, for the benchmarks that walk the data path

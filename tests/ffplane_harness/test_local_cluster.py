@@ -25,8 +25,7 @@ def test_a_new_cluster_removes_the_daemon_roots_of_makers_that_died_and_only_tho
 
 
 def test_two_clusters_of_one_process_run_side_by_side_and_each_removes_only_its_own_roots(tmp_path: Path) -> None:
-    """A benchmark pairs configurations by keeping two clusters up at once; their daemons' roots
-    once collided (``another statestore daemon already uses ...``)."""
+    """A paired benchmark keeps two clusters up at once; their daemons' roots once collided (``another statestore daemon already uses ...``)."""
     token = secrets.token_hex(8)
     shm = Path("/dev/shm") / f"ffplane-test-{token}"  # daemons refuse a root off tmpfs
     shm.mkdir()
