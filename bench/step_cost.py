@@ -200,13 +200,16 @@ def _daemons_of(variant: str) -> str:
 
 
 def same_repeat(samples: dict[str, list[float]], back_to_back: list[str]) -> dict[str, dict[str, Any]]:
-    """Each variant's rate over plain's (and ffplane's over the floor's), repeat by repeat, for the
-    variants that ran back to back, in rotation (``back_to_back``): the machine's drift between
-    repeats (here up to 40 % of plain's own rate) cancels. Without ``--together`` the daemons'
+    """Each variant's rate over plain's (ffplane's over the floor's, a daemons' variant's over
+    ffplane's), repeat by repeat, for the variants that ran back to back, in rotation
+    (``back_to_back``): the machine's drift between repeats (here up to 40 % of plain's own rate)
+    cancels. Without ``--together`` the daemons'
     variants ran in clusters of their own, after the others, so they have no same-repeat partner."""
     pairs = [(v, "plain") for v in back_to_back if v != "plain"]
     if {"ffplane", "floor"} <= set(back_to_back):
         pairs.append(("ffplane", "floor"))
+    if "ffplane" in back_to_back:  # a daemons' variant is ffplane on other daemons: what that change does
+        pairs += [(v, "ffplane") for v in back_to_back if v in DAEMON_ARGS]
     return {f"same_repeat_{v}_vs_{b}": _paired([x / y for x, y in zip(samples[v], samples[b])]) for v, b in pairs}
 
 

@@ -155,6 +155,7 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
         "same_repeat_ffplane_vs_plain",
         "same_repeat_no_replica_wait_vs_plain",
         "same_repeat_ffplane_vs_floor",
+        "same_repeat_no_replica_wait_vs_ffplane",
     }
 
 
@@ -181,6 +182,7 @@ def test_step_cost_pairs_only_variants_that_ran_back_to_back_and_pools_files(tmp
     files[1].write_text(json.dumps({"figures": json.loads(files[1].read_text())["figures"], "config": {"together": True}}))
     pooled = step_cost.main(["--pool", *map(str, files)])["figures"]
     assert pooled["same_repeat_no_replicate_vs_plain"]["samples"] == [0.1, 0.2]
+    assert pooled["same_repeat_no_replicate_vs_ffplane"]["samples"] == [10 / 80, 10 / 45]
 
 
 # a small dataset and few steps, for the benchmarks that walk the data path
