@@ -1,5 +1,6 @@
 """Faults injected from outside a running process (root): a server that stops answering while it
-keeps running, and bytes flipped in a file.
+keeps running, bytes flipped in a file, a digit changed in a header at rest, and a stranger's
+traffic against a daemon's bulk port.
 
 ``unreachable(pid, port)`` makes a server's TCP port stop answering without stopping the process:
 its heartbeats (outgoing) go on, so the coordinator still sees it alive — the case of a firewall
@@ -12,7 +13,9 @@ the accepted connections are shut down. ``heal`` lets packets through again.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import random
 import socket
 import struct
 from pathlib import Path
@@ -124,3 +127,63 @@ def flip(path: Path, at: int, n: int = 16) -> None:
     with open(path, "r+b") as f:
         f.seek(at)
         f.write(b"\xff" * n)
+
+
+def damage_tree(index_dir: Path, key: str, rng: random.Random) -> bool:
+    """Change one digit of the tree in the index record ``key`` (a committed version's header),
+    keeping its length, so LMDB stays valid and only the header's digest can tell. False if there
+    is no such record or no digit in its tree."""
+    import lmdb
+
+    env = lmdb.open(str(index_dir), max_dbs=0)
+    try:
+        with env.begin(write=True) as txn:
+            raw = txn.get(key.encode())
+            if raw is None:
+                return False
+            record = json.loads(raw)
+            tree = record["header"].get("tree_json", "")
+            digits = [i for i, ch in enumerate(tree) if ch.isdigit()]
+            if not digits:
+                return False
+            at = rng.choice(digits)
+            changed = tree[:at] + str((int(tree[at]) + 1 + rng.randrange(9)) % 10) + tree[at + 1 :]
+            record["header"]["tree_json"] = changed
+            txn.put(key.encode(), json.dumps(record).encode())
+            return True
+    finally:
+        env.close()
+
+
+def bulk_abuse(host: str, port: int, token: str, rng: random.Random, per_kind: int = 40) -> list[socket.socket]:
+    """Connections a stranger and a stalled peer make to a daemon's bulk port: idle ones, heads
+    announcing 64 MiB of metadata, half-sent HELLOs, random bytes, and two senders with the token
+    that stop mid-push. Returned open: close them to end it."""
+    from statestore.transport.bulk_wire import META_LIMIT, BulkHead, BulkMeta, Op
+
+    opened: list[socket.socket] = []
+
+    def conn() -> socket.socket:
+        s = socket.create_connection((host, port), timeout=5)
+        opened.append(s)
+        return s
+
+    try:
+        for _ in range(per_kind):
+            conn()  # idle
+            conn().sendall(BulkHead(Op.PUSH, 1, 0, 0).pack()[:8] + META_LIMIT.to_bytes(4, "little") + bytes(16))
+            conn().sendall(BulkHead(Op.HELLO, 1000, 0, 0).pack() + b"abc")
+            conn().sendall(rng.randbytes(rng.randrange(1, 4096)))
+        for i in range(2):
+            s = conn()
+            s.sendall(BulkHead.hello(token))
+            meta = BulkMeta("abuse", f"dp{i}-pp0-tp0", 1, 1 << 20, "0123abcd", {"tree_json": "1"}, "stranger").pack()
+            s.sendall(BulkHead(Op.PUSH, len(meta), 0, 1 << 20).pack() + meta + rng.randbytes(4096))
+    except OSError:
+        pass  # refused or reset midway: what was opened is the abuse
+    return opened
+
+
+def close_all(opened: list[socket.socket]) -> None:
+    for s in opened:
+        s.close()

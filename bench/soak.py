@@ -35,6 +35,7 @@ in network namespaces is in tests/trainer_client/test_node_loss.py (our launcher
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -50,10 +51,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from urllib.parse import urlsplit  # noqa: E402
+
 from bench import _faults  # noqa: E402
 from bench._common import RESULTS  # noqa: E402
 from ffplane_harness.job_runner import MODELS, LocalJobs, steps_lost  # noqa: E402
 from ffplane_harness.torchrun import TorchrunNode  # noqa: E402
+from statestore.slots import version_key  # noqa: E402
 from trainer_client.warm_start import descendants  # noqa: E402
 
 KINDS = (
@@ -65,6 +69,8 @@ KINDS = (
     "corrupt_copy",
     "damage_index",
     "successor_unreachable",
+    "header_corruption",
+    "bulk_abuse",
 )
 # Kinds that need more of the deployment (``--kinds all`` takes them with the rest; see the
 # module docstring): coordinator_kill (--data-servers 2), rendezvous_host_loss (--rendezvous
@@ -179,8 +185,47 @@ class Soak(LocalJobs):
             port = int(proc.ready["port"])  # type: ignore[call-overload]
             _faults.unreachable(proc.pid)  # every port (HTTP, bulk); it keeps beating: only its peers cannot reach it
             self._heal.append(lambda: self._reachable_again(d, proc, port))
+        elif kind == "header_corruption":
+            hit = self._damage_header_and_kill(pos, nodes)
+        elif kind == "bulk_abuse":  # while the node trains and takes replicas; closed once the job has gone on
+            daemon = self.cluster.daemons[self._daemon_slot(self.placement[pos])]
+            port = self.get(daemon.url + "/v1/transfer", auth=True)["bulk_port"]
+            opened = _faults.bulk_abuse(urlsplit(daemon.url).hostname or "127.0.0.1", int(port), self.cluster.token, self.rng)
+            self._heal.append(functools.partial(_faults.close_all, opened))
         else:
             raise ValueError(f"unknown failure kind {kind!r}; choose from {KINDS}")
+        return hit
+
+    def _damage_header_and_kill(self, pos: int, nodes: list[TorchrunNode]) -> float:
+        """One digit of the newest version's tree changed in the node's index while its daemon is
+        down (its workers frozen, so that version stays the newest), then a worker SIGKILLed: the
+        restore meets a header that no longer matches its digest and takes the replica. Only where
+        the replica has landed (else it is the only copy: a second fault, as in corrupt_copy)."""
+        d = self.placement[pos]
+        victim = self.worker_pid(f"n{d}", time.time() - 30, JOB)
+        frozen = [nodes[pos].popen.pid, *descendants(nodes[pos].popen.pid)]  # type: ignore[union-attr]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            daemon = self.cluster.daemons[self._daemon_slot(d)]
+            roles = [r for r in self.get(daemon.url + "/v1/state")["roles"] if r["job"] == JOB and r["versions"]]
+            role = self.rng.choice(roles)
+            step = role["versions"][0]["step"]
+            replica = self.cluster.roots[self.placement[1 - pos]] / JOB / "replica" / role["role"] / f"{step:012d}.bin"
+            daemon.kill()
+            damaged = replica.exists() and _faults.damage_tree(
+                self.cluster.roots[d] / "_index", version_key(JOB, role["role"], step), self.rng
+            )
+            self._note = {"header_damaged": damaged}
+            self.start_daemon(d)
+            hit = time.time()
+            os.kill(victim, signal.SIGKILL)
+        finally:
+            for pid in frozen:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
         return hit
 
     def _lose(self, nodes: list[TorchrunNode], pos: int) -> float:
@@ -321,11 +366,11 @@ class Soak(LocalJobs):
                     pass
         return hit
 
-    @staticmethod
-    def get(url: str) -> dict[str, Any]:
+    def get(self, url: str, auth: bool = False) -> dict[str, Any]:
         import urllib.request
 
-        with urllib.request.urlopen(url, timeout=10) as resp:
+        headers = {"Authorization": f"Bearer {self.cluster.token}"} if auth else {}
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
             result: dict[str, Any] = json.loads(resp.read())
             return result
 

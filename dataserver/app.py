@@ -48,7 +48,6 @@ from dataserver.httpserver import BearerAuth, BodyGuard, offline_docs
 from dataserver.jobs import (
     LAYOUT_LIMIT,
     SEED_LIMIT,
-    STEP_LIMIT,
     BrokenJob,
     Job,
     JobBroken,
@@ -61,6 +60,7 @@ from dataserver.leadership import Leadership
 from dataserver.planner import Generation, Planner
 from dataserver.protocol.auth import load_token
 from dataserver.protocol.etcd import ALIVE_KEY, Etcd, EtcdUnavailable
+from dataserver.protocol.limits import STEP_LIMIT
 from dataserver.protocol.servers import LEADER_HEADER
 from dataserver.protocol.settings import version
 from dataserver.shared_jobs import EtcdJobRegistry

@@ -17,10 +17,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from dataserver.protocol.limits import NAME_PATTERN  # dataset (folder) names the server serves
+
 SAMPLE_INDEX_COLUMN = "_sample_index"
-# Dataset (folder) names the server serves: no path separators, no leading dot, and short enough
-# to be a file name everywhere (a 256-character name made the file system answer ENAMETOOLONG).
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 _NAME = re.compile(NAME_PATTERN)
 
 

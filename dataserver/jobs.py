@@ -29,11 +29,11 @@ from typing import Any
 
 from dataserver.catalog import NAME_PATTERN
 from dataserver.planner import Generation, Planner
+from dataserver.protocol.limits import STEP_LIMIT
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(NAME_PATTERN)
-STEP_LIMIT = 1 << 53  # steps and max_steps stay below this (exact in any JSON reader)
 SEED_LIMIT = 1 << 64  # a seed is any unsigned 64-bit integer
 LAYOUT_LIMIT = 1 << 20  # dp and batch_per_rank are at most this; their product is bounded by config
 _SPEC_KEYS = {"name", "dataset", "dp", "batch_per_rank", "seed", "max_steps", "generations"}

@@ -295,9 +295,7 @@ def create_app(daemon: Daemon) -> FastAPI:
             "commit_parts": slots.commit_parts.describe(),
             "replica_parts": replicas.finish_parts.describe(),
             "transfer": {
-                "bulk_port": daemon.bulk.port if daemon.bulk else None,
-                "bulk_pushes_received": daemon.bulk.pushes if daemon.bulk else 0,
-                "bulk_refused": daemon.bulk.refused if daemon.bulk else 0,
+                **(daemon.bulk.describe() if daemon.bulk else {"bulk_port": None, "bulk_pushes_received": 0, "bulk_refused": 0}),
                 "received_bytes": replicas.received_bytes,
                 "reused_files": replicas.reused_files,
             },
@@ -326,7 +324,7 @@ def create_app(daemon: Daemon) -> FastAPI:
     def metrics() -> Response:
         nonlocal registry
         assert daemon.cache is not None and daemon.state is not None
-        registry = registry or registry_for(daemon.cache, daemon.state.slots, daemon.gate, daemon.state, daemon.latencies)
+        registry = registry or registry_for(daemon.cache, daemon.state.slots, daemon.gate, daemon.state, daemon.latencies, daemon.bulk)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -12,6 +12,7 @@ from statestore.latencies import Latencies
 from statestore.link_gate import LinkGate
 from statestore.slots import SlotStore
 from statestore.state_service import StateService
+from statestore.transport import BulkServer
 
 Family = GaugeMetricFamily | CounterMetricFamily
 _GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
@@ -110,6 +111,9 @@ class _LinkCollector:
         yield CounterMetricFamily(
             "ffplane_replication_commit_wait_timeouts", "Commits made while the replica was still behind", value=r.commit_wait_timeouts
         )
+        yield CounterMetricFamily(
+            "ffplane_replication_refused_for_room", "Pushes the successor refused for want of room (its budget or tmpfs)", value=r.refusals
+        )
         yield GaugeMetricFamily("ffplane_replication_pending", "Committed versions waiting to be pushed", value=r.pending())
         described = r.describe()
         yield GaugeMetricFamily(
@@ -128,10 +132,37 @@ class _LinkCollector:
         yield lag
 
 
+class _BulkCollector:
+    """The bulk port: what it took, refused and closed (a flood or a stalled peer shows here)."""
+
+    def __init__(self, bulk: BulkServer) -> None:
+        self.bulk = bulk
+
+    def collect(self) -> Iterator[Metric]:
+        b = self.bulk
+        yield CounterMetricFamily("ffplane_bulk_pushes_received", "Replica pushes received on the bulk port", value=b.pushes)
+        yield CounterMetricFamily("ffplane_bulk_refused", "Bulk requests answered with an error", value=b.refused)
+        conns = GaugeMetricFamily("ffplane_bulk_connections", "Open bulk-port connections", labels=["state"])
+        conns.add_metric(["authenticated"], len(b.authed))
+        conns.add_metric(["unauthenticated"], len(b.preauth))
+        yield conns
+        closed = CounterMetricFamily("ffplane_bulk_closed", "Bulk connections this daemon closed, by reason", labels=["reason"])
+        for reason, n in b.closed.items():
+            closed.add_metric([reason], n)
+        yield closed
+
+
 def registry_for(
-    cache: DataCache, slots: SlotStore, gate: LinkGate | None = None, state: StateService | None = None, latencies: Latencies | None = None
+    cache: DataCache,
+    slots: SlotStore,
+    gate: LinkGate | None = None,
+    state: StateService | None = None,
+    latencies: Latencies | None = None,
+    bulk: BulkServer | None = None,
 ) -> CollectorRegistry:
     registry = CollectorRegistry()
+    if bulk is not None:
+        registry.register(_BulkCollector(bulk))
     for histogram in latencies.all() if latencies is not None else []:
         registry.register(histogram)
     registry.register(_CacheCollector(cache))

@@ -32,7 +32,7 @@ from statestore import shm
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
 from statestore.protocol.checksum import streaming_checksum
-from statestore.protocol.shard import PER_STEP
+from statestore.protocol.shard import PER_STEP, header_digest, header_intact, static_digest
 
 log = logging.getLogger(__name__)
 KEEP_VERSIONS = 2  # a replica trails its primary by at most a commit or so; the primary keeps three
@@ -53,6 +53,7 @@ class Replica:
     kind: str = "replica"  # "replica" (pushed to us) or "pulled" (fetched for a restore)
     complete_at: float = 0.0
     static: str = ""  # digest of the header's static part, held once per role (``ReplicaStore.statics``); "" if whole
+    header_digest: str = ""  # of the whole header, as its primary recorded it: checked with the checksum
 
     def index_entry(self) -> dict[str, Any]:
         """What the index and the sidecar record: the header without its static part, which is
@@ -71,6 +72,7 @@ class _Incoming:
     hasher: Any = field(default_factory=streaming_checksum)  # over bytes 0..received, as they arrive
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sink: mmap.mmap | None = None  # the .part file mapped writable (a reused spare's, or made for a bulk receive)
+    owner: Any = None  # the bulk connection holding ``lock`` (one whose sender stalled may be taken over)
 
 
 @dataclass
@@ -106,16 +108,24 @@ class ReplicaStore:
         n = 0
         for key, entry in self.index.items(STATICS_KEY):
             _, job, role, digest = key.split("/")
-            self.statics.setdefault((job, role), {})[digest] = entry
+            if static_digest(entry) == digest:  # else changed at rest: the replicas using it go too
+                self.statics.setdefault((job, role), {})[digest] = entry
         for key, entry in self.index.items("replica/"):
             r = Replica(**entry)
             f = self.root / r.path
             static = self.statics.get((r.job, r.role), {}).get(r.static) if r.static else {}
-            if static is not None and f.is_file() and f.stat().st_size == r.nbytes:
+            if (
+                static is not None
+                and f.is_file()
+                and f.stat().st_size == r.nbytes
+                and header_intact({**static, **r.header}, r.header_digest)
+            ):
                 r.header = {**static, **r.header}
                 self.complete.setdefault((r.job, r.role), {})[r.step] = r
                 n += 1
             else:
+                if static is None or f.is_file():
+                    log.error("a replica's header does not match its digest: dropped", extra={"job": r.job, "role": r.role, "step": r.step})
                 self.index.delete(key)
         for job, role in list(self.statics):
             self._forget_statics(job, role)
@@ -161,6 +171,7 @@ class ReplicaStore:
         kind: str = "replica",
         static: str = "",
         static_header: dict[str, Any] | None = None,
+        header_digest: str = "",
     ) -> int:
         """Start (or resume) receiving a shard; returns the offset to send from. ``static``: the
         digest of the header's static part, which ``header`` then leaves out; it comes as
@@ -208,7 +219,10 @@ class ReplicaStore:
                     shm.presize(fd, nbytes)
                 finally:
                     os.close(fd)
-            inc = _Incoming(Replica(job, role, step, f"{rel}.bin", nbytes, digest, header, source, kind, static=static), sink=sink)
+            inc = _Incoming(
+                Replica(job, role, step, f"{rel}.bin", nbytes, digest, header, source, kind, static=static, header_digest=header_digest),
+                sink=sink,
+            )
             self._incoming[key] = inc
         return inc.received
 
@@ -217,6 +231,8 @@ class ReplicaStore:
         if digest not in known:
             if given is None:
                 raise StaticHeaderUnknownError(f"static header {digest} of {role} is not known here; send it with the push")
+            if static_digest(given) != digest:
+                raise CorruptError(f"the static header sent for {role} is not the one its digest {digest} names; discarded, send it again")
             known[digest] = given
             self.index.put(f"{STATICS_KEY}{job}/{role}/{digest}", given)
             file = self.static_file(job, role, digest)
@@ -253,7 +269,13 @@ class ReplicaStore:
         if inc.sink is None:
             fd = os.open(self._at(inc.meta.path.replace(".bin", ".part")), os.O_RDWR)
             try:
+                # the pages now, or a refusal now: on a full tmpfs the bytes landing in an
+                # unbacked mapping failed the receive midway (the sender saw a reset, not why)
+                shm.reserve(fd, inc.meta.nbytes, f"a replica of {role} step {step}", self.root)
                 inc.sink = mmap.mmap(fd, max(inc.meta.nbytes, 1))
+            except CapacityError:
+                self._drop_incoming((job, role, step))
+                raise
             finally:
                 os.close(fd)
             populate_write(inc.sink)
@@ -325,10 +347,11 @@ class ReplicaStore:
             part = self._at(r.path.replace(".bin", ".part"))
             digest = inc.hasher.hexdigest()  # hashed while it arrived: no second pass
             self._incoming.pop(key, None)
-            if digest != r.checksum:
+            if digest != r.checksum or (r.header_digest and header_digest(r.header, r.static) != r.header_digest):
                 _close(inc.sink)
                 shm.unlink(part)
-                raise CorruptError(f"{role} step {step} arrived with checksum {digest}, expected {r.checksum}; discarded, send it again")
+                what = f"checksum {digest}, expected {r.checksum}" if digest != r.checksum else "a header that does not match its digest"
+                raise CorruptError(f"{role} step {step} arrived with {what}; discarded, send it again")
             self._forget_map(r.path)  # a replaced version's old mapping must not serve its bytes
             os.rename(part, self._at(r.path))
             if inc.sink is not None:  # readable too: reads (a pull, a forward) need no mapping of their own

@@ -70,6 +70,8 @@ class Replicator:
         self.commit_waits = self.commit_wait_timeouts = 0
         self.commit_wait_s = 0.0
         self.last_error = ""
+        self.refusals = 0  # pushes the successor refused for want of room (413/507): retrying cannot help soon
+        self._refused: dict[tuple[str, str], tuple[int, str, str]] = {}  # role → (step, successor, why) refused
         self._down = False  # the last failure was a connection that could not be made
         self._down_since: tuple[str, float, float] | None = None  # (successor, since, last reported)
 
@@ -104,6 +106,14 @@ class Replicator:
             while not self._holds(job, role, need):
                 if self._no_peer():
                     return  # no peer to replicate to: nothing to wait for
+                refused = self._refused.get((job, role))
+                if refused is not None and refused[0] >= need and refused[1] == self.successor:
+                    self.commit_wait_timeouts += 1  # answered without the bound, as a timeout is, but at once
+                    log.warning(
+                        "the successor has no room for the replica; answering the commit without it",
+                        extra={"job": job, "role": role, "step": step, "to": self.successor, "error": refused[2]},
+                    )
+                    return
                 left = self.wait_s - (time.monotonic() - started)
                 if left <= 0:
                     self.commit_wait_timeouts += 1
@@ -249,11 +259,17 @@ class Replicator:
                 self.failures += 1
                 self.last_error = str(exc)
                 self._down = exc.unreachable
+                if exc.status in (413, 507):  # no room there: a commit waiting for this replica is told now, not in wait_s
+                    self.refusals += 1
+                    self._refused[(job, role)] = (step, succ, str(exc))
+                    self._progress.set()
+                    self._progress = asyncio.Event()
                 log.warning(
                     "replication failed; will resume", extra={"job": job, "role": role, "step": step, "to": succ, "error": str(exc)}
                 )
                 return False
             self._discard(job, role, step)
+            self._refused.pop((job, role), None)
             self.bytes_sent += sent
             self.pushes += 1
             self._observe_push(time.perf_counter() - started)
@@ -349,6 +365,7 @@ class Replicator:
             "commit_waits": self.commit_waits,
             "commit_wait_seconds": round(self.commit_wait_s, 3),
             "commit_wait_timeouts": self.commit_wait_timeouts,
+            "refused_for_room": self.refusals,
             "last_error": self.last_error or None,
             "roles": lag,
         }

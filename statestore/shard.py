@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from statestore.protocol.checksum import checksum
-from statestore.protocol.shard import PER_STEP
+from statestore.protocol.shard import PER_STEP, header_intact
 from statestore.replicas import Replica, ReplicaStore
 from statestore.slots import SlotStore, Version
 
@@ -34,6 +34,10 @@ class LocalShard:
     _replicas: ReplicaStore
     static: str = ""  # digest of the header's static part, as the store holding it keeps it
 
+    @property
+    def header_digest(self) -> str:
+        return self._owner.header_digest
+
     def header_parts(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
         """(digest, static part, per-step part) of the header: a push sends the static part only
         to a peer that may not have it. ("", {}, header) when it has none."""
@@ -56,8 +60,8 @@ class LocalShard:
         return memoryview(store.mapped(self.rel))[: self.nbytes]
 
     def intact(self) -> bool:
-        """Whether the bytes still match the checksum recorded at commit."""
-        return checksum(self.view()) == self.checksum
+        """Whether the bytes still match the checksum recorded at commit, and the header its digest."""
+        return checksum(self.view()) == self.checksum and header_intact(self.header, self.header_digest)
 
     def current(self) -> bool:
         """Still held (a save may reuse a primary's slot; replicas give way to newer ones)."""
@@ -74,6 +78,7 @@ class LocalShard:
             "nbytes": self.nbytes,
             "checksum": self.checksum,
             "header": self.header,
+            "header_digest": self.header_digest,
             "kind": self.kind,
         }
 

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TypeVar
 
+from dataserver.protocol.errors import CapacityError
+
 TMP_MARK = ".tmp-"
 HUGE_PAGE = 2 << 20
 PRIVATE_FILE = 0o600  # mode of every file the daemon creates (before the umask, which only removes)
@@ -94,6 +96,27 @@ def presize(fd: int, size: int) -> None:
     with huge pages (appending writes would see a short file and get 4 KiB pages)."""
     if size > 0:
         os.ftruncate(fd, size)
+
+
+def reserve(fd: int, size: int, what: str, root: Path | str) -> None:
+    """Give ``fd`` its ``size`` and allocate every page now (``posix_fallocate``), or raise
+    ``CapacityError`` naming ``what``, the root and what was needed: a write into pages a full
+    tmpfs cannot back fails midway (a mapping's fault, a reset connection) instead of up front."""
+    presize(fd, size)
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        try:
+            st = os.statvfs(root)
+            free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        raise CapacityError(
+            f"no room for {what} ({size / 2**20:.1f} MiB) in the tmpfs at {root} ({free}): {exc.strerror}; "
+            "give the tmpfs more room or lower --budget-mb below its size"
+        ) from exc
 
 
 def huge_pages(root: Path) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 from dataserver.protocol.errors import (
     CapacityError,
+    CorruptError,
     FFPlaneError,
     NoSlotsError,
     SlotBusyError,
@@ -33,7 +34,7 @@ from statestore import shm
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
 from statestore.protocol.checksum import ALGORITHM, checksum
-from statestore.protocol.shard import PER_STEP, layout_roles
+from statestore.protocol.shard import PER_STEP, header_digest, header_intact, layout_roles, static_digest
 from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class Version:
     save_block_s: float = 0.0  # the worker's blocking copy, as it reported it
     commit_s: float = 0.0  # checksum + index, in the daemon
     static: str = ""  # digest of the header's static part, stored once per role (``RoleState.statics``)
+    header_digest: str = ""  # of the whole header (``protocol.shard.header_digest``): checked wherever the checksum is
 
     def index_entry(self) -> dict[str, Any]:
         """What the index keeps: with a static digest, only the header's per-step part."""
@@ -111,7 +113,7 @@ class SlotStore:
                 self.index.delete(key)
         for key, entry in self.index.items("statics/"):
             _, job, role, digest = key.split("/")
-            if (job, role) in self.roles:
+            if (job, role) in self.roles and _static_intact(key, entry, digest):
                 self.roles[(job, role)].statics[digest] = entry
         for key, entry in self.index.items("state/"):
             _, job, role, _step = key.split("/")
@@ -122,6 +124,13 @@ class SlotStore:
                 self.index.delete(key)
                 continue
             v.header = {**static, **v.header}
+            if not header_intact(v.header, v.header_digest):  # changed at rest: a corrupt copy, as damaged bytes are
+                log.error(
+                    "a committed version's header does not match its digest: dropped (its replica is used instead)",
+                    extra={"job": job, "role": role, "step": v.step},
+                )
+                self.index.delete(key)
+                continue
             rs.versions[v.step] = v
             n += 1
         for rs in self.roles.values():
@@ -255,13 +264,17 @@ class SlotStore:
         data = memoryview(mm)[:nbytes]
         digest = checksum(data) if nbytes <= INLINE_CHECKSUM_BYTES else await asyncio.to_thread(checksum, data)
         hashed = time.perf_counter()
+        if static_header is not None and static not in rs.statics and static_digest(static_header) != static:
+            raise CorruptError(f"the static header sent with {role} step {step} is not the one its digest {static} names")
         if static:
             if static_header is not None and static not in rs.statics:
                 rs.statics[static] = static_header
                 self.index.put(f"statics/{job}/{role}/{static}", static_header)
                 write_sidecar(self._static_file(job, role, static), static_header)
             header = {**rs.statics[static], **header}
-        version = Version(step, slot, nbytes, digest, header, time.time(), save_block_s, static=static)
+        version = Version(
+            step, slot, nbytes, digest, header, time.time(), save_block_s, static=static, header_digest=header_digest(header, static)
+        )
         version.commit_s = time.perf_counter() - started
         # Versions above this step belong to a future the run rewound from (a restore to an
         # older step, a restarted job): they must not outrank what is saved now.
@@ -384,14 +397,21 @@ class SlotStore:
         return out
 
 
+def _static_intact(key: str, static: dict[str, Any], digest: str) -> bool:
+    """Whether a header's static part read back from the index is the one its digest names."""
+    if static_digest(static) == digest:
+        return True
+    log.error("a static header part does not match its digest: dropped, with the versions that use it", extra={"key": key})
+    return False
+
+
 def _prefault(path: Path, size: int) -> None:
     """Create ``path`` with every page of ``size`` allocated now (first touch off the save path)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        shm.presize(fd, size)
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        os.close(fd)
+        shm.reserve(fd, size, f"a slot {path.name}", path.parent)
+    except CapacityError:
         path.unlink(missing_ok=True)
-        raise CapacityError(f"cannot reserve {size / 2**20:.1f} MiB at {path}: {exc}; the tmpfs is full") from exc
-    os.close(fd)
+        raise
+    finally:
+        os.close(fd)

@@ -385,6 +385,7 @@ class StateService:
             "nbytes": shard.nbytes,
             "checksum": shard.checksum,
             "header": shard.header,
+            "header_digest": shard.header_digest,
             "kind": shard.kind,
         }
 

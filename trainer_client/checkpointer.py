@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 
+from dataserver.protocol.limits import check_step
 from statestore.protocol import files
 from trainer_client._collector import paused as collector_paused
 from trainer_client._commit import CommitPipeline, KeptCopies, _Slot
@@ -121,7 +122,12 @@ class Checkpointer:
 
     # --- save ----------------------------------------------------------------------------
     def save(self, step: int, state: Any) -> bool:
-        """Checkpoint ``state`` as the state after optimizer step ``step``; False if skipped."""
+        """Checkpoint ``state`` as the state after optimizer step ``step``; False if skipped.
+        ``step`` is in 0..2^53-1 (the range every ffplane process shares); ValueError otherwise."""
+        try:
+            check_step(step)
+        except ValueError as exc:
+            raise ValueError(f"Checkpointer.save: {exc}") from None
         return self._save(step, state)
 
     def _save(self, step: int, state: Any, header: dict[str, Any] | None = None) -> bool:

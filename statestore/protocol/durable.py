@@ -21,7 +21,7 @@ from typing import Any
 
 from dataserver.protocol.restorable import Layouts, whole_steps
 from statestore.protocol.checksum import ALGORITHM, checksum
-from statestore.protocol.shard import layout_roles
+from statestore.protocol.shard import header_digest, header_intact, layout_roles
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,15 @@ def shard_path(root: Path, job: str, role: str, step: int) -> Path:
 def encode_head(job: str, role: str, step: int, nbytes: int, digest: str, header: dict[str, Any]) -> bytes:
     """The bytes a shard file starts with: the safetensors length prefix and JSON head, padded
     to 8 bytes; the shard's bytes follow."""
-    meta = {"ffplane_header": json.dumps(header), "checksum": digest, "algorithm": ALGORITHM, "step": str(step), "role": role, "job": job}
+    meta = {
+        "ffplane_header": json.dumps(header),
+        "header_digest": header_digest(header),  # the header is checked as the bytes are
+        "checksum": digest,
+        "algorithm": ALGORITHM,
+        "step": str(step),
+        "role": role,
+        "job": job,
+    }
     head = json.dumps({"__metadata__": meta, "shard": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}).encode()
     head += b" " * (-len(head) % 8)
     return struct.pack("<Q", len(head)) + head
@@ -56,6 +64,8 @@ def verify(path: Path) -> bool:
     meta, offset, length = read_meta(path)
     with open(path, "rb") as f:
         f.seek(offset)
+        if not header_intact(json.loads(meta["ffplane_header"]), meta.get("header_digest", "")):
+            return False
         return checksum(f.read(length)) == meta["checksum"]
 
 

@@ -7,7 +7,14 @@ The daemon reads only ``layout_roles`` (which roles make a whole step), ``unique
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypedDict
+
+import xxhash
+
+# A header's JSON, at most: it names every tensor of a shard. What a peer (the HTTP routes, the
+# bulk port, once it has the token) may send of it, and what the daemon's index takes.
+META_LIMIT = 64 << 20
 
 
 class ShardHeader(TypedDict, total=False):
@@ -28,6 +35,28 @@ class ShardHeader(TypedDict, total=False):
 # The keys that change from step to step (the tree holds loop counters, lr, a loader position);
 # the rest is the header's static part, which a commit or a push sends only when it changes.
 PER_STEP = ("tree", "tree_json")
+
+
+def static_digest(static: dict[str, Any]) -> str:
+    """The digest naming a header's static part: its content, so any holder can check it."""
+    return xxhash.xxh3_64_hexdigest(json.dumps(static, sort_keys=True).encode())
+
+
+def header_digest(header: dict[str, Any], static: str = "") -> str:
+    """The digest of a whole header, which the daemon records beside the bytes' checksum at commit
+    and every holder checks wherever it checks the bytes (a tree changed at rest is a corrupt copy,
+    routed around as one). ``static``: the static part's digest where the caller holds it checked
+    already (then only the per-step part is serialised: the per-commit cost is the tree's)."""
+    per_step = {k: header[k] for k in PER_STEP if k in header}
+    if not static:
+        static = static_digest({k: v for k, v in header.items() if k not in PER_STEP})
+    return xxhash.xxh3_64_hexdigest(f"{static}\n{json.dumps(per_step, sort_keys=True, separators=(',', ':'))}".encode())
+
+
+def header_intact(header: dict[str, Any], digest: str) -> bool:
+    """Whether ``header`` is the one ``digest`` was taken of (static part recomputed). A copy
+    recorded before headers had digests ("") has nothing to check against."""
+    return not digest or header_digest(header) == digest
 
 
 def layout_roles(header: dict[str, Any], role: str) -> list[str]:

@@ -52,6 +52,7 @@ class RemoteShard:
     checksum: str
     header: dict[str, Any] = field(default_factory=dict)
     kind: str = ""  # "primary", "replica" or "pulled", on the holder
+    header_digest: str = ""  # of the whole header, checked by whoever takes the bytes
 
 
 @dataclass

@@ -13,39 +13,37 @@ A sender learns a peer's bulk port from ``GET /v1/transfer`` on its HTTP address
 gate a chunk at a time, as HTTP pushes do, and ``TCP_NOTSENT_LOWAT`` keeps what sits unsent in the
 socket at about a chunk, so TRAIN never starts behind much STATE — except a push a commit waits
 for, which goes whole. A header's static part crosses once per role and peer; then its digest.
-A sender reads replies with a reader that stays registered on its loop; a receiver asks to be
-woken for a MiB of a body at a time (``SO_RCVLOWAT``), not for every burst of segments.
+A sender opens a connection with ``HELLO`` (the token) and reads replies with a reader that stays
+registered on its loop; a refusal may come while the body is still going out, and then the rest
+is not sent. The receiver is ``bulk_server``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Coroutine
-from typing import Any, cast
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from dataserver.httpserver import BearerAuth
-from dataserver.protocol.errors import CorruptError, FFPlaneError, StaticHeaderUnknownError
+from dataserver.protocol.errors import StaticHeaderUnknownError
 from statestore.link_gate import LinkGate, Priority
-from statestore.replicas import ReplicaStore
 from statestore.shard import LocalShard
 from statestore.transport._sockets import TCP_NOTSENT_LOWAT, push_socket_options
 from statestore.transport.base import PeerError
-from statestore.transport.bulk_wire import HEAD_SIZE, REPLY_HEAD_SIZE, BulkFrameError, BulkHead, BulkMeta, BulkReply, Op
+from statestore.transport.bulk_server import BulkServer, keepalive
+from statestore.transport.bulk_wire import REPLY_HEAD_SIZE, BulkFrameError, BulkHead, BulkMeta, BulkReply, Op
 from statestore.transport.http import HttpTransport, remember
+
+__all__ = ["BulkServer", "BulkTransport"]
 
 log = logging.getLogger(__name__)
 
 _CONNECT_S = 3.0
 _NO_LOWAT = 0x7FFFFFFF  # the unsent limit lifted: the send buffer's size bounds what is queued
-_SCRATCH = bytearray(256 << 10)  # where the bytes of a refused request go (one event loop: shared)
 _STALL_S = 30.0  # no progress either way for this long: the peer is gone
 _REPLY_BUFFER = 64 << 10  # a reply is ~100 bytes: one read takes whatever has come
-_LOWAT_MAX = 1 << 20  # a receiver wakes for at least this much of a body (or all that is left of it)
 
 
 class BulkTransport(HttpTransport):
@@ -105,8 +103,8 @@ class BulkTransport(HttpTransport):
 
         def meta(with_static: bool) -> bytes:
             return BulkMeta(
-                self._token, shard.job, shard.role, shard.step, shard.nbytes, shard.checksum, step_part, source, newest, digest,
-                static if with_static else None,
+                shard.job, shard.role, shard.step, shard.nbytes, shard.checksum, step_part, source, newest, digest,
+                static if with_static else None, shard.header_digest,
             ).pack()  # fmt: skip
 
         raw = meta(bool(digest) and known not in self._statics_sent)
@@ -176,11 +174,19 @@ class BulkTransport(HttpTransport):
             if sent < len(frame):
                 await asyncio.wait_for(loop.sock_sendall(sock, memoryview(frame)[sent:]), _STALL_S)
             if shard is not None and head.length:
-                await self._send_file(sock, shard, head.offset, head.offset + head.length, urgent)
+                done = await self._send_file(conn, shard, head.offset, head.offset + head.length, urgent)
+                if not done:  # answered before the last byte (a refusal): the rest is not sent
+                    self._conns.pop(peer, None)
+                    reply = await conn.reply()
+                    conn.close()  # the receiver reads past the bytes announced: this connection cannot carry another
+                    return reply
             return await conn.reply()
         except (OSError, EOFError, asyncio.TimeoutError, BulkFrameError, ValueError) as exc:
             self._conns.pop(peer, None)
+            early = conn.early_reply()  # the receiver said why before it closed: that is the answer
             conn.close()  # a request cut off midway leaves the connection unreadable
+            if early is not None:
+                return early
             raise PeerError(f"bulk push to {peer[0]}:{peer[1]} failed: {exc!r}") from exc
         except BaseException:  # cancelled, or a bug: the request's reply may still come and answer the next one
             self._conns.pop(peer, None)
@@ -199,27 +205,42 @@ class BulkTransport(HttpTransport):
             sock.setblocking(False)
             push_socket_options(sock, self._gate.config.chunk_bytes)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keepalive(sock)
             await asyncio.wait_for(loop.sock_connect(sock, address), _CONNECT_S)
         except (OSError, asyncio.TimeoutError) as exc:
             sock.close()
             raise PeerError(f"bulk port {peer[0]}:{peer[1]} takes no connection: {exc!r}", unreachable=True) from exc
-        conn = self._conns[peer] = _Connection(loop, sock)
+        conn = _Connection(loop, sock)
+        try:  # the token first: the receiver reads nothing else from a connection until it has it
+            await asyncio.wait_for(loop.sock_sendall(sock, BulkHead.hello(self._token)), _CONNECT_S)
+            reply = await conn.reply()
+        except (OSError, EOFError, asyncio.TimeoutError, BulkFrameError, ValueError) as exc:
+            conn.close()
+            raise PeerError(f"bulk port {peer[0]}:{peer[1]} did not take the token: {exc!r}") from exc
+        if reply.status != 200:
+            conn.close()
+            raise PeerError(f"bulk port {peer[0]}:{peer[1]} refused the connection ({reply.status}): {reply.detail}", reply.status)
+        self._conns[peer] = conn
         return conn
 
-    async def _send_file(self, sock: socket.socket, shard: LocalShard, start: int, end: int, urgent: Callable[[], bool]) -> None:
+    async def _send_file(self, conn: _Connection, shard: LocalShard, start: int, end: int, urgent: Callable[[], bool]) -> bool:
         """``sendfile`` from the shard's file, a gate chunk at a time — or all at once while the
         push is urgent (a commit, and so the workers' next all-reduce, waits for it: TRAIN is held
         up by this push, not the other way round), with the socket's unsent limit lifted, so the
         kernel moves it in a few calls instead of a wake-up per chunk. A primary's slot may be
         reused by a save while this runs (only for a version long superseded: a commit waits for
-        its replica); the receiver then finds the checksum wrong and keeps nothing."""
+        its replica); the receiver then finds the checksum wrong and keeps nothing. False: the
+        receiver answered before the last byte (it refused the push), and the rest was not sent."""
         loop = asyncio.get_running_loop()
+        sock = conn.sock
         chunk = self._gate.config.chunk_bytes
         lowat = chunk
         fd = os.open(shard.path(), os.O_RDONLY)
         try:
             pos = start
             while pos < end:
+                if conn.answered():
+                    return False
                 whole = urgent()
                 if lowat != (_NO_LOWAT if whole else chunk):
                     lowat = _NO_LOWAT if whole else chunk
@@ -235,6 +256,7 @@ class BulkTransport(HttpTransport):
                     if sent == 0:
                         raise EOFError(f"{shard.rel} ends at {pos}, before the shard's {end} bytes")
                     pos += sent
+            return True
         finally:
             os.close(fd)
             if lowat != chunk:
@@ -290,6 +312,24 @@ class _Connection:
         del self._buf[: REPLY_HEAD_SIZE + n]
         self._waiter.set_result(reply)
 
+    def early_reply(self) -> BulkReply | None:
+        """A whole reply that has come and was not asked for yet, if any (read without waiting)."""
+        if self._error is None:
+            self._readable()
+        if len(self._buf) < REPLY_HEAD_SIZE:
+            return None
+        try:
+            status, n = BulkReply.body_len(self._buf[:REPLY_HEAD_SIZE])
+            if len(self._buf) < REPLY_HEAD_SIZE + n:
+                return None
+            return BulkReply.unpack(status, self._buf[REPLY_HEAD_SIZE : REPLY_HEAD_SIZE + n])
+        except Exception:  # noqa: BLE001 - unreadable: no answer
+            return None
+
+    def answered(self) -> bool:
+        """Whether a reply (or the peer's close) has come before it was asked for."""
+        return bool(self._buf) or self._error is not None
+
     def usable(self) -> bool:
         """Whether the next request may go on this connection: not failed, not closed by the peer
         (its reader may not have run since), and nothing unasked-for waiting on it."""
@@ -332,244 +372,3 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         await asyncio.wait_for(ready, _STALL_S)
     finally:
         loop.remove_writer(sock.fileno())
-
-
-# --- the receiver ------------------------------------------------------------------------------
-class BulkServer:
-    """The bulk port of a daemon: pushes land in ``replicas``. ``token``: the job's; ``budget_bytes``
-    bounds what one replica may announce."""
-
-    def __init__(self, token: str | None, replicas: ReplicaStore, budget_bytes: int) -> None:
-        self.replicas, self.budget_bytes = replicas, budget_bytes
-        self._auth = BearerAuth(token)
-        self.port: int | None = None
-        self.pushes = 0
-        self.refused = 0
-        self._server: asyncio.AbstractServer | None = None
-
-    async def start(self, host: str, port: int) -> int:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Receiver(self), host or None, port, reuse_address=True)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self.port
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-
-    def refusal(self, meta: BulkMeta) -> tuple[int, str] | None:
-        refused = self._auth.refusal(f"Bearer {meta.token}")  # the HTTP routes' check, on the frame's token
-        if refused is not None:
-            return refused
-        if meta.nbytes > self.budget_bytes:
-            return 413, (
-                f"a replica of {meta.nbytes / 2**20:.1f} MiB is larger than this daemon's whole budget "
-                f"({self.budget_bytes / 2**20:.1f} MiB); raise --budget-mb on this node"
-            )
-        return None
-
-
-class _Receiver(asyncio.BufferedProtocol):
-    """One connection: a head, its metadata, then the bytes straight into the replica's mapping.
-    Reading pauses while a request is decided (``begin``, the lock) and while a finished one
-    is verified, so no byte of the next request arrives into the wrong buffer."""
-
-    def __init__(self, server: BulkServer) -> None:
-        self.server = server
-        self.transport: asyncio.Transport | None = None
-        self._want = bytearray(HEAD_SIZE)  # the head or the metadata being read
-        self._filled = 0
-        self._head: BulkHead | None = None
-        self._body: memoryview | None = None  # the replica's mapping while its bytes arrive
-        self._pos = self._end = 0
-        self._inc: Any = None
-        self._meta: BulkMeta | None = None
-        self._discard = 0  # bytes of a refused request still to read past
-        self._then: BulkReply | None = None  # the answer once they are
-        self._task: asyncio.Task[None] | None = None
-        self._sock: Any = None  # the connection's socket, for SO_RCVLOWAT (None: not settable)
-        self._lowat = 1
-        self._rcvbuf = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is one in all but name
-        self._sock = transport.get_extra_info("socket")
-
-    def _wake_after(self, nbytes: int, start: bool = False) -> None:
-        """Be woken only once ``nbytes`` have arrived (``SO_RCVLOWAT``): a body then lands in a
-        few large reads instead of one per segment burst, each a wake-up of this daemon. At most a
-        quarter of the receive buffer as it is (``start``: read again): a larger mark would make
-        the kernel grow the buffer and clamp the TCP window to the mark, on every link."""
-        if self._sock is None:
-            return
-        try:
-            if start:
-                self._rcvbuf = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-            nbytes = max(1, min(nbytes, _LOWAT_MAX, self._rcvbuf // 4))
-            if nbytes != self._lowat:
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
-                self._lowat = nbytes
-        except OSError:  # the connection is going; or the option is refused: wake for every byte
-            with contextlib.suppress(OSError):
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
-            self._sock, self._lowat = None, 1
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._body is not None:
-            return self._body[self._pos : self._end]
-        if self._discard:
-            return memoryview(_SCRATCH)[: min(self._discard, len(_SCRATCH))]
-        return memoryview(self._want)[self._filled :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self._discard:
-            self._discard -= nbytes
-            if not self._discard and self._then is not None:
-                self._reply(self._then)
-            return
-        if self._body is not None:
-            self.server.replicas.landed(self._inc, self._body[self._pos : self._pos + nbytes])
-            self._pos += nbytes
-            self._wake_after(self._end - self._pos)
-            if self._pos == self._end:
-                self._decide(self._complete())
-            return
-        self._filled += nbytes
-        if self._filled < len(self._want):
-            return
-        if self._head is None:
-            try:
-                self._head = BulkHead.unpack(self._want)
-            except BulkFrameError as exc:
-                self._refuse(400, str(exc))
-                return
-            self._want, self._filled = bytearray(self._head.meta_len), 0
-            if self._head.meta_len:
-                return
-        self._decide(self._start(bytes(self._want)))
-
-    def _decide(self, work: Coroutine[Any, Any, None]) -> None:
-        assert self.transport is not None
-        self.transport.pause_reading()
-        self._task = asyncio.ensure_future(self._guarded(work))
-
-    async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
-        try:
-            await work
-        except Exception:  # noqa: BLE001 - a bug must cost this connection, not the transfer's lock
-            log.exception("bulk receive failed; connection closed")
-            self._release()
-            self._refuse(500, "the receiving daemon failed; see its log")
-
-    async def _start(self, raw: bytes) -> None:
-        head = self._head
-        assert head is not None and self.transport is not None
-        try:
-            meta = BulkMeta.unpack(raw)
-        except ValueError as exc:
-            self._refuse(422, str(exc))
-            return
-        refused = self.server.refusal(meta)
-        if refused is not None:  # nothing from a peer without the token is read on
-            self._refuse(*refused)
-            return
-        if head.offset + head.length > meta.nbytes:
-            self._skip(BulkReply(400, detail=f"bytes {head.offset}..{head.offset + head.length} run past the shard's {meta.nbytes}"))
-            return
-        store = self.server.replicas
-        try:
-            held = store.begin(
-                meta.job, meta.role, meta.step, meta.nbytes, meta.checksum, meta.header, meta.source,
-                static=meta.static, static_header=meta.static_header,
-            )  # fmt: skip
-        except FFPlaneError as exc:
-            self._skip(BulkReply(413 if exc.status == 507 else exc.status, detail=str(exc)))
-            return
-        if head.op == Op.PROBE:
-            self._reply(BulkReply(200, held))
-            return
-        if held != head.offset:
-            self._skip(BulkReply(409, held, detail=f"{held} bytes of {meta.role} step {meta.step} are here; resume from there"))
-            return
-        try:
-            if store.sink_mapped(meta.job, meta.role, meta.step):  # a reused file: mapped already
-                inc, body = store.sink(meta.job, meta.role, meta.step)
-            else:  # a new file's pages are allocated as it is mapped: off the loop
-                inc, body = await asyncio.to_thread(store.sink, meta.job, meta.role, meta.step)
-            await inc.lock.acquire()
-        except FFPlaneError as exc:
-            self._skip(BulkReply(exc.status, detail=str(exc)))
-            return
-        if self.transport.is_closing():  # the sender went while this waited: the lock must not stay held
-            inc.lock.release()
-            return
-        if inc.received != head.offset:  # another transfer moved it meanwhile
-            inc.lock.release()
-            self._skip(BulkReply(409, inc.received, detail=f"{inc.received} bytes of {meta.role} step {meta.step} are here; resume"))
-            return
-        self._inc, self._body, self._pos, self._end, self._meta = inc, body, head.offset, head.offset + head.length, meta
-        self._wake_after(head.length, start=True)
-        if not head.length:
-            await self._complete()
-            return
-        self.transport.resume_reading()
-
-    async def _complete(self) -> None:
-        meta, end = self._meta, self._end
-        assert meta is not None
-        self._release()
-        reply = BulkReply(200, end)
-        if end == meta.nbytes:
-            try:
-                r = await self.server.replicas.finish(meta.job, meta.role, meta.step, meta.newest)
-                reply = BulkReply(200, end, r.checksum)
-                self.server.pushes += 1
-            except CorruptError as exc:
-                reply = BulkReply(422, 0, detail=str(exc))
-            except FFPlaneError as exc:
-                reply = BulkReply(exc.status, 0, detail=str(exc))
-        self._reply(reply)
-
-    def _release(self) -> None:
-        if self._inc is not None:
-            self._inc.lock.release()
-        self._inc, self._body = None, None
-
-    def _reply(self, reply: BulkReply) -> None:
-        """Answer, and read the next request's head."""
-        assert self.transport is not None
-        if self.transport.is_closing():
-            return
-        self.transport.write(reply.pack())
-        self._head, self._want, self._filled, self._then = None, bytearray(HEAD_SIZE), 0, None
-        self.transport.resume_reading()
-
-    def _skip(self, reply: BulkReply) -> None:
-        """A refused request from a peer with the token: read past its bytes, then answer (the
-        connection stays usable, and the sender reads the answer instead of a reset)."""
-        assert self.transport is not None and self._head is not None
-        self.server.refused += 1
-        if self.transport.is_closing():
-            return
-        self._discard = self._head.length
-        if not self._discard:
-            self._reply(reply)
-            return
-        self._then = reply
-        self.transport.resume_reading()
-
-    def _refuse(self, status: int, detail: str) -> None:
-        """Answer and close: nothing more is read from a peer without the token, or one whose
-        frames are not ours."""
-        assert self.transport is not None
-        self.server.refused += 1
-        if not self.transport.is_closing():
-            self.transport.write(BulkReply(status, detail=detail).pack())
-            self.transport.close()
-
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._release()  # what landed counts: the sender resumes after it

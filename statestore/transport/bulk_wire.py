@@ -1,10 +1,13 @@
 """The frames of the bulk channel between daemons (``statestore.transport.bulk``): what a push
 sends before its bytes, and what the receiver answers after them.
 
-A request is a fixed little-endian head (``BulkHead``), then ``meta_len`` bytes of JSON
-(``BulkMeta``: the token and the shard's metadata, as the HTTP ``begin`` takes it), then
-``length`` bytes of the shard from ``offset``. A reply is a fixed head (status, JSON length) and
-JSON (``BulkReply``). Many requests follow one another on one connection.
+A connection's first request is ``HELLO``: a fixed head whose ``meta_len`` bytes (at most
+``HELLO_LIMIT``) are the job's token. Until it is answered 200 the receiver reads nothing larger
+than that and allocates nothing more: an unauthenticated peer costs it a fixed few hundred bytes.
+Every later request is a fixed little-endian head (``BulkHead``), then ``meta_len`` bytes of JSON
+(``BulkMeta``: the shard's metadata, as the HTTP ``begin`` takes it), then ``length`` bytes of the
+shard from ``offset``. A reply is a fixed head (status, JSON length) and JSON (``BulkReply``).
+Many requests follow one another on one connection.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from statestore.protocol.names import check_name, check_step
-from statestore.protocol.shard import check_header
+from statestore.protocol.names import MAX_STEP, check_name, check_step
+from statestore.protocol.shard import META_LIMIT, check_header
 
 MAGIC = b"FFPB"
-VERSION = 2  # 2: headers carry the tree as text (tree_json), which a version-1 daemon would drop
-META_LIMIT = 64 << 20  # the shard header names every tensor; the HTTP routes take as much
+# 2: headers carry the tree as text (tree_json), which a version-1 daemon would drop;
+# 3: a connection authenticates once (HELLO) before any metadata is read
+VERSION = 3
+HELLO_LIMIT = 1024  # the most a peer may send before it is authenticated: a token
 _HEAD = struct.Struct("<4sHHIQQ")
 _REPLY = struct.Struct("<HI")
 HEAD_SIZE = _HEAD.size
@@ -31,6 +36,7 @@ _MAX_OFFSET = (1 << 63) - 1
 class Op(IntEnum):
     PUSH = 1  # bytes follow; the receiver verifies and commits once the last one is in
     PROBE = 2  # no bytes: where is the receiver with this shard (the offset to resume from)
+    HELLO = 3  # the metadata is the job's token; a connection's first request, and no other may be
 
 
 class BulkFrameError(ValueError):
@@ -58,20 +64,27 @@ class BulkHead:
             kind = Op(op)
         except ValueError:
             raise BulkFrameError(f"unknown bulk op {op}") from None
-        if meta_len > META_LIMIT:
-            raise BulkFrameError(f"metadata of {meta_len} bytes announced; at most {META_LIMIT}")
+        if meta_len > (HELLO_LIMIT if kind == Op.HELLO else META_LIMIT):
+            raise BulkFrameError(f"metadata of {meta_len} bytes announced; at most {HELLO_LIMIT if kind == Op.HELLO else META_LIMIT}")
         if offset > _MAX_OFFSET or length > _MAX_OFFSET - offset:
             raise BulkFrameError(f"a range of {length} bytes at {offset} is past any shard")
-        if kind == Op.PROBE and length:
-            raise BulkFrameError("a probe carries no bytes")
+        if kind != Op.PUSH and (length or offset):
+            raise BulkFrameError(f"a {kind.name.lower()} carries no bytes")
         return cls(kind, meta_len, offset, length)
+
+    @classmethod
+    def hello(cls, token: str) -> bytes:
+        """The frame that opens a connection: this head and the token."""
+        raw = token.encode()
+        if len(raw) > HELLO_LIMIT:
+            raise BulkFrameError(f"a token of {len(raw)} bytes; the bulk port takes at most {HELLO_LIMIT}")
+        return cls(Op.HELLO, len(raw), 0, 0).pack() + raw
 
 
 @dataclass(frozen=True)
 class BulkMeta:
-    """Who sends, and what: the shard's metadata, as ``ReplicaStore.begin`` takes it."""
+    """What is sent: the shard's metadata, as ``ReplicaStore.begin`` takes it."""
 
-    token: str
     job: str
     role: str
     step: int
@@ -82,6 +95,7 @@ class BulkMeta:
     newest: int | None = None  # the sender's newest committed step of the role, when it is the primary
     static: str = ""  # digest of the header's static part, which ``header`` then leaves out
     static_header: dict[str, Any] | None = None  # that part, sent when the receiver may not have it
+    header_digest: str = ""  # of the whole header, as the primary recorded it; checked with the checksum
 
     def pack(self) -> bytes:
         # vars, not asdict: asdict deep-copies the header, and cost a sending daemon 7 % of its CPU
@@ -89,19 +103,19 @@ class BulkMeta:
 
     @classmethod
     def unpack(cls, raw: bytes | bytearray | memoryview) -> BulkMeta:
-        """Raises ``ValueError`` naming what is wrong (the receiver answers 422, or 401 for the token)."""
+        """Raises ``ValueError`` naming what is wrong (the receiver answers 422)."""
         try:
             d = json.loads(bytes(raw))
         except (ValueError, RecursionError) as exc:
             raise ValueError(f"bulk metadata is not JSON: {exc}") from None
         if not isinstance(d, dict):
             raise ValueError("bulk metadata is not a JSON object")
-        want = {"token": str, "job": str, "role": str, "step": int, "nbytes": int, "checksum": str, "header": dict, "source": str}
+        want = {"job": str, "role": str, "step": int, "nbytes": int, "checksum": str, "header": dict, "source": str}
         for key, typ in want.items():
             if type(d.get(key)) is not typ:  # strict: a bool is not a size
                 raise ValueError(f"bulk metadata needs {key} as {typ.__name__}, got {type(d.get(key)).__name__}")
         newest = d.get("newest")
-        if newest is not None and (type(newest) is not int or newest < 0):
+        if newest is not None and (type(newest) is not int or not 0 <= newest <= MAX_STEP):
             raise ValueError(f"bulk metadata 'newest' must be a step or null, got {newest!r}")
         if not 0 <= d["nbytes"] <= _MAX_OFFSET or not 0 < len(d["checksum"]) <= 128 or len(d["source"]) > 256:
             raise ValueError("bulk metadata has an impossible size, checksum or source")
@@ -110,11 +124,14 @@ class BulkMeta:
             raise ValueError("bulk metadata 'static' must be a digest, 'static_header' an object or null")
         if static and not static.isalnum():
             raise ValueError(f"bulk metadata 'static' {static!r} is not a digest")
+        hdigest = d.get("header_digest", "")
+        if type(hdigest) is not str or len(hdigest) > 128 or (hdigest and not hdigest.isalnum()):
+            raise ValueError("bulk metadata 'header_digest' must be a digest")
         check_name(d["job"]), check_name(d["role"]), check_step(d["step"])
         check_header(d["header"])
         if static_header is not None:
             check_header(static_header)
-        return cls(**{k: d[k] for k in want}, newest=newest, static=static, static_header=static_header)
+        return cls(**{k: d[k] for k in want}, newest=newest, static=static, static_header=static_header, header_digest=hdigest)
 
 
 @dataclass(frozen=True)

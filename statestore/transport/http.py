@@ -23,10 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dataserver.httpserver import BearerAuth
 from dataserver.protocol.auth import bearer
-from dataserver.protocol.errors import FFPlaneError, TransferOrderError
+from dataserver.protocol.errors import CorruptError, FFPlaneError, TransferOrderError
 from statestore.link_gate import LinkGate, Priority
-from statestore.protocol.names import NAME_PATTERN, check_name, check_step
-from statestore.protocol.shard import check_header
+from statestore.protocol.names import MAX_STEP, NAME_PATTERN, check_name, check_step
+from statestore.protocol.shard import META_LIMIT, check_header, header_intact
 from statestore.replicas import Replica, ReplicaStore
 from statestore.shard import LocalShard, find_local
 from statestore.slots import SlotStore
@@ -107,7 +107,13 @@ class HttpTransport(Transport):
         """
         assert self._session is not None
         url = f"{base}/v1/replicas/{shard.job}/{shard.role}/{shard.step}"
-        meta = {"nbytes": shard.nbytes, "checksum": shard.checksum, "header": shard.header, "source": source}
+        meta = {
+            "nbytes": shard.nbytes,
+            "checksum": shard.checksum,
+            "header": shard.header,
+            "source": source,
+            "header_digest": shard.header_digest,
+        }
         attempt = (base, shard.job, shard.role, shard.step)
         staged: memoryview | None = None
         start: int | None = None  # what the receiver holds; not asked before a first attempt
@@ -183,14 +189,18 @@ class HttpTransport(Transport):
 
     async def shard_meta(self, base: str, job: str, role: str, step: int) -> RemoteShard:
         meta = await self._json("GET", f"{base}/v1/state/{job}/{role}/{step}")
-        return RemoteShard(int(meta["nbytes"]), str(meta["checksum"]), dict(meta["header"]), str(meta.get("kind", "")))
+        return RemoteShard(
+            int(meta["nbytes"]), str(meta["checksum"]), dict(meta["header"]), str(meta.get("kind", "")), str(meta.get("header_digest", ""))
+        )
 
     async def pull(self, base: str, replicas: ReplicaStore, job: str, role: str, step: int, source: str) -> Replica:
         assert self._session is not None
         url = f"{base}/v1/state/{job}/{role}/{step}"
         held = await self.shard_meta(base, job, role, step)
         nbytes, digest, header = held.nbytes, held.checksum, held.header
-        offset = replicas.begin(job, role, step, nbytes, digest, header, source, kind="pulled")
+        if not header_intact(header, held.header_digest):  # the holder's header changed at rest: not a copy to restore from
+            raise PeerError(f"{role} step {step} on {base} has a header that does not match its digest", CorruptError.status)
+        offset = replicas.begin(job, role, step, nbytes, digest, header, source, kind="pulled", header_digest=held.header_digest)
         chunk = self._gate.config.chunk_bytes
         conflicts = 0
         while offset < nbytes:
@@ -214,20 +224,19 @@ class HttpTransport(Transport):
                 # The holder is also pushing this shard here (it is our ring predecessor and
                 # re-replicates after the failure): both write one transfer, in order, so carry
                 # on from wherever it has got to (all of it, once the push has finished).
-                offset = replicas.begin(job, role, step, nbytes, digest, header, source, kind="pulled")
+                offset = replicas.begin(job, role, step, nbytes, digest, header, source, kind="pulled", header_digest=held.header_digest)
         return await replicas.finish(job, role, step)
 
 
 # --- the server: the peer routes, their parameters and answers (the OpenAPI spec is fuzzed) ------
 MAX_INT64 = (1 << 63) - 1
-META_LIMIT = 64 << 20  # a replica's metadata (its header names every tensor); read_meta_prefix's bound
 
 
 JobName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="the job's name")]
 RoleName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="a role: dp<r>-pp<r>-tp<r>")]
-Step = Annotated[int, PathParam(ge=0, le=MAX_INT64, description="the optimizer step the shard was saved at")]
+Step = Annotated[int, PathParam(ge=0, le=MAX_STEP, description="the optimizer step the shard was saved at")]
 Offset = Annotated[int, Query(ge=0, le=MAX_INT64, description="byte offset in the shard")]
-Newest = Annotated[int | None, Query(ge=0, le=MAX_INT64, description="the sender's newest committed step of the role")]
+Newest = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="the sender's newest committed step of the role")]
 
 
 class ErrorDetail(BaseModel):
@@ -250,6 +259,7 @@ class ReplicaMeta(BaseModel):
     checksum: str = Field(min_length=1, max_length=128)
     header: dict[str, Any]
     source: str = Field(max_length=256)
+    header_digest: str = Field(default="", max_length=128)  # of the whole header; the receiver checks it with the checksum
 
     @field_validator("header")
     @classmethod
@@ -385,7 +395,7 @@ def peer_routes(
                 f"({budget_bytes / 2**20:.1f} MiB); raise --budget-mb on this node",
             )
         try:
-            return replicas.begin(*args)
+            return replicas.begin(*args, header_digest=m.header_digest)
         except FFPlaneError as exc:
             raise _peer_error(exc) from exc
 

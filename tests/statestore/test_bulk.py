@@ -15,6 +15,7 @@ import torch
 import xxhash
 
 from ffplane_harness.local_cluster import LocalCluster
+from statestore.protocol.shard import header_digest, static_digest
 from statestore.transport.bulk_wire import REPLY_HEAD_SIZE, BulkHead, BulkMeta, BulkReply, Op
 from tests._servers import TOKEN, until
 from tests.statestore.conftest import daemon_state, start_ring
@@ -25,22 +26,34 @@ DATA = bytes(range(256)) * 1024
 ROLE = "dpX"
 
 
-def _connect(c: LocalCluster, node: int) -> socket.socket:
-    port = httpx.get(c.daemons[node].url + "/v1/transfer", headers=AUTH).json()["bulk_port"]
-    return socket.create_connection(("127.0.0.1", port), timeout=30)
+def bulk_port(c: LocalCluster, node: int) -> int:
+    port: int = httpx.get(c.daemons[node].url + "/v1/transfer", headers=AUTH).json()["bulk_port"]
+    return port
 
 
-def _meta(step: int, data: bytes = DATA, token: str = TOKEN, **static: Any) -> bytes:
+def connect(c: LocalCluster, node: int, token: str | None = TOKEN) -> socket.socket:
+    """A connection to the node's bulk port, authenticated with ``token`` (None: not at all)."""
+    sock = socket.create_connection(("127.0.0.1", bulk_port(c, node)), timeout=30)
+    if token is not None:
+        sock.sendall(BulkHead.hello(token))
+        assert read_reply(sock).status == 200
+    return sock
+
+
+def meta(step: int, data: bytes = DATA, **static: Any) -> bytes:
     digest = xxhash.xxh3_64_hexdigest(data)
     header = {"tree": step} if static else {"layout_roles": [ROLE]}
-    return BulkMeta(token, "job", ROLE, step, len(data), digest, header, "elsewhere", newest=step, **static).pack()
+    return BulkMeta("job", ROLE, step, len(data), digest, header, "elsewhere", newest=step, **static).pack()
 
 
-def _ask(sock: socket.socket, op: Op, meta: bytes, offset: int = 0, body: bytes = b"") -> BulkReply:
-    sock.sendall(BulkHead(op, len(meta), offset, len(body)).pack() + meta + body)
-    head = _read(sock, REPLY_HEAD_SIZE)
-    status, n = BulkReply.body_len(head)
+def read_reply(sock: socket.socket) -> BulkReply:
+    status, n = BulkReply.body_len(_read(sock, REPLY_HEAD_SIZE))
     return BulkReply.unpack(status, _read(sock, n))
+
+
+def _ask(sock: socket.socket, op: Op, raw: bytes, offset: int = 0, body: bytes = b"") -> BulkReply:
+    sock.sendall(BulkHead(op, len(raw), offset, len(body)).pack() + raw + body)
+    return read_reply(sock)
 
 
 def _read(sock: socket.socket, n: int) -> bytes:
@@ -65,20 +78,20 @@ def _replicas(c: LocalCluster, node: int) -> list[tuple[int, str]]:
 
 def test_a_cut_push_resumes_from_what_landed_and_counts_only_once_verified(cluster: LocalCluster) -> None:
     start_ring(cluster, 1)
-    with _connect(cluster, 0) as s:  # the sender dies 100 kB in
-        s.sendall(BulkHead(Op.PUSH, len(_meta(7)), 0, len(DATA)).pack() + _meta(7) + DATA[:100_000])
+    with connect(cluster, 0) as s:  # the sender dies 100 kB in
+        s.sendall(BulkHead(Op.PUSH, len(meta(7)), 0, len(DATA)).pack() + meta(7) + DATA[:100_000])
     until(lambda: any(r.get("received") == 100_000 for r in daemon_state(cluster, 0)["replicas"]), what="the cut push's bytes landed")
     assert _replicas(cluster, 0) == [(7, "incoming")]  # nothing counts yet
-    with _connect(cluster, 0) as s:
-        assert _ask(s, Op.PROBE, _meta(7)).received == 100_000
-        wrong = _ask(s, Op.PUSH, _meta(7), 0, DATA)  # from the start again: told where to resume, connection kept
+    with connect(cluster, 0) as s:
+        assert _ask(s, Op.PROBE, meta(7)).received == 100_000
+        wrong = _ask(s, Op.PUSH, meta(7), 0, DATA)  # from the start again: told where to resume, connection kept
         assert (wrong.status, wrong.received) == (409, 100_000)
-        done = _ask(s, Op.PUSH, _meta(7), 100_000, DATA[100_000:])
+        done = _ask(s, Op.PUSH, meta(7), 100_000, DATA[100_000:])
         assert (done.status, done.received, done.checksum) == (200, len(DATA), xxhash.xxh3_64_hexdigest(DATA))
         # bytes damaged on the way: refused, nothing kept, and the connection still takes the next push
-        damaged = _ask(s, Op.PUSH, _meta(8), 0, DATA[:-1] + b"\0")
+        damaged = _ask(s, Op.PUSH, meta(8), 0, DATA[:-1] + b"\0")
         assert damaged.status == 422 and "checksum" in damaged.detail
-        assert _ask(s, Op.PUSH, _meta(9), 0, DATA).status == 200
+        assert _ask(s, Op.PUSH, meta(9), 0, DATA).status == 200
     assert _replicas(cluster, 0) == [(7, "replica"), (9, "replica")]
     shard = httpx.get(cluster.daemons[0].url + f"/v1/state/job/{ROLE}/7/shard", headers=AUTH)
     assert shard.content == DATA
@@ -90,11 +103,11 @@ def test_a_cut_large_push_counts_every_byte_that_arrived(cluster: LocalCluster) 
     start_ring(cluster, 1)
     big = DATA * 12  # 3 MiB: more than one wake-up's worth
     cut = 1_800_000
-    with _connect(cluster, 0) as s:
-        s.sendall(BulkHead(Op.PUSH, len(_meta(7, big)), 0, len(big)).pack() + _meta(7, big) + big[:cut])
+    with connect(cluster, 0) as s:
+        s.sendall(BulkHead(Op.PUSH, len(meta(7, big)), 0, len(big)).pack() + meta(7, big) + big[:cut])
     until(lambda: any(r.get("received") == cut for r in daemon_state(cluster, 0)["replicas"]), what="the cut push's bytes landed")
-    with _connect(cluster, 0) as s:
-        done = _ask(s, Op.PUSH, _meta(7, big), cut, big[cut:])
+    with connect(cluster, 0) as s:
+        done = _ask(s, Op.PUSH, meta(7, big), cut, big[cut:])
         assert (done.status, done.received, done.checksum) == (200, len(big), xxhash.xxh3_64_hexdigest(big))
     shard = httpx.get(cluster.daemons[0].url + f"/v1/state/job/{ROLE}/7/shard", headers=AUTH)
     assert shard.content == big
@@ -111,10 +124,13 @@ def test_a_static_header_part_crosses_once_per_role_and_survives_a_restart(clust
         got: dict[str, Any] = httpx.get(cluster.daemons[-1].url + f"/v1/state/job/{ROLE}/{step}", headers=AUTH).json()
         return got
 
-    with _connect(cluster, 0) as s:
-        assert _ask(s, Op.PUSH, _meta(1, static="abc123", static_header=static), 0, DATA).status == 200
-        assert _ask(s, Op.PUSH, _meta(2, static="abc123"), 0, DATA).status == 200  # the digest alone
-        unknown = _ask(s, Op.PUSH, _meta(3, static="fff999"), 0, DATA)
+    with connect(cluster, 0) as s:
+        digest = static_digest(static)  # content-addressed: a part that does not hash to its name is refused
+        wrong = _ask(s, Op.PUSH, meta(1, static="abc123", static_header=static), 0, DATA)
+        assert wrong.status == 422 and "digest" in wrong.detail
+        assert _ask(s, Op.PUSH, meta(1, static=digest, static_header=static), 0, DATA).status == 200
+        assert _ask(s, Op.PUSH, meta(2, static=digest), 0, DATA).status == 200  # the digest alone
+        unknown = _ask(s, Op.PUSH, meta(3, static="fff999"), 0, DATA)
         assert unknown.status == 428 and "send it" in unknown.detail
     assert _replicas(cluster, 0) == [(1, "replica"), (2, "replica")]
     assert meta_of(2)["header"] == {**static, "tree": 2} and meta_of(1)["header"] == {**static, "tree": 1}
@@ -133,18 +149,20 @@ def test_a_static_header_part_crosses_once_per_role_and_survives_a_restart(clust
 
 
 @pytest.mark.parametrize(
-    "frame, status",
+    "token, frame, status",
     [
-        (b"PUT /v1/replicas HTTP/1.1\r\nHost: n0\r\n\r\n", 400),  # not a bulk frame
-        (BulkHead(Op.PUSH, len(_meta(3, token="not-the-token")), 0, len(DATA)).pack() + _meta(3, token="not-the-token") + DATA, 401),
-        (BulkHead(Op.PUSH, 9, 0, 4).pack() + b'{"job":1}' + b"abcd", 422),
+        (None, b"PUT /v1/replicas HTTP/1.1\r\nHost: n0\r\n\r\n", 400),  # not a bulk frame
+        (None, BulkHead.hello("not-the-token"), 401),
+        (None, BulkHead(Op.PUSH, len(meta(3)), 0, len(DATA)).pack() + meta(3) + DATA, 401),  # no HELLO first
+        (None, BulkHead(Op.HELLO, 64 << 20, 0, 0).pack(), 400),  # a 64 MiB "token": refused from the head alone
+        (TOKEN, BulkHead(Op.PUSH, 9, 0, 4).pack() + b'{"job":1}' + b"abcd", 422),
     ],
-    ids=["http", "wrong-token", "bad-metadata"],
+    ids=["http", "wrong-token", "push-before-hello", "huge-hello", "bad-metadata"],
 )
-def test_what_is_not_ours_is_answered_then_cut_off(cluster: LocalCluster, frame: bytes, status: int) -> None:
+def test_what_is_not_ours_is_answered_then_cut_off(cluster: LocalCluster, token: str | None, frame: bytes, status: int) -> None:
     start_ring(cluster, 1)
     assert httpx.get(cluster.daemons[0].url + "/v1/transfer").status_code == 401  # the port is told only to the job
-    with _connect(cluster, 0) as s:
+    with connect(cluster, 0, token) as s:
         s.sendall(frame)
         head = _read(s, REPLY_HEAD_SIZE)
         code, n = BulkReply.body_len(head)
@@ -194,3 +212,17 @@ def test_a_daemon_without_a_bulk_port_takes_pushes_over_http(cluster: LocalClust
         ck.close()
     assert daemon_state(cluster, 0)["replication"]["pushes_in_one_request"] == 3
     assert daemon_state(cluster, 1)["transfer"]["bulk_port"] is None
+
+
+def test_a_replica_whose_header_does_not_match_its_digest_is_refused(cluster: LocalCluster) -> None:
+    """The header travels beside the bytes and is checked as they are: a replica whose tree does
+    not hash to the digest its primary recorded is not kept (the sender's copy is the one to check)."""
+    start_ring(cluster, 1)
+    good = BulkMeta("job", ROLE, 5, len(DATA), xxhash.xxh3_64_hexdigest(DATA), {"tree_json": "[5]"}, "elsewhere", 5)
+    with connect(cluster, 0) as s:
+        bad = BulkMeta(**{**vars(good), "header_digest": header_digest({"tree_json": "[6]"})}).pack()
+        refused = _ask(s, Op.PUSH, bad, 0, DATA)
+        assert refused.status == 422 and "digest" in refused.detail
+        ok = BulkMeta(**{**vars(good), "header_digest": header_digest({"tree_json": "[5]"})}).pack()
+        assert _ask(s, Op.PUSH, ok, 0, DATA).status == 200
+    assert _replicas(cluster, 0) == [(5, "replica")]

@@ -7,6 +7,7 @@ import pytest
 
 from statestore.transport.bulk_wire import (
     HEAD_SIZE,
+    HELLO_LIMIT,
     META_LIMIT,
     REPLY_HEAD_SIZE,
     BulkFrameError,
@@ -16,16 +17,25 @@ from statestore.transport.bulk_wire import (
     Op,
 )
 
-META = BulkMeta("tok", "job", "dp0-pp0-tp0", 7, 4096, "0123abcd", {"tree": {"w": 1}, "layout_roles": ["dp0-pp0-tp0"]}, "n0", newest=7)
+META = BulkMeta("job", "dp0-pp0-tp0", 7, 4096, "0123abcd", {"tree": {"w": 1}, "layout_roles": ["dp0-pp0-tp0"]}, "n0", newest=7)
 
 
 def test_every_frame_round_trips() -> None:
-    for head in (BulkHead(Op.PUSH, 120, 0, 4096), BulkHead(Op.PUSH, 1, 4000, 96), BulkHead(Op.PROBE, 99, 0, 0)):
+    for head in (
+        BulkHead(Op.PUSH, 120, 0, 4096),
+        BulkHead(Op.PUSH, 1, 4000, 96),
+        BulkHead(Op.PROBE, 99, 0, 0),
+        BulkHead(Op.HELLO, 32, 0, 0),
+    ):
         raw = head.pack()
         assert len(raw) == HEAD_SIZE and BulkHead.unpack(raw) == head
-    with_static = BulkMeta("t", "j", "r", 3, 9, "c", {"tree": [1]}, "s", 2, static="9f86d081", static_header={"tensors": []})
-    for meta in (META, BulkMeta("t", "j", "r", 0, 0, "c", {}, "s", None), with_static):
+    with_static = BulkMeta("j", "r", 3, 9, "c", {"tree": [1]}, "s", 2, static="9f86d081", static_header={"tensors": []})
+    for meta in (META, BulkMeta("j", "r", 0, 0, "c", {}, "s", None), with_static):
         assert BulkMeta.unpack(meta.pack()) == meta
+    hello = BulkHead.hello("t" * 32)
+    assert BulkHead.unpack(hello[:HEAD_SIZE]) == BulkHead(Op.HELLO, 32, 0, 0) and hello[HEAD_SIZE:] == b"t" * 32
+    with pytest.raises(BulkFrameError, match="at most"):
+        BulkHead.hello("t" * (HELLO_LIMIT + 1))
     for reply in (BulkReply(200, 4096, "0123abcd"), BulkReply(409, 17, detail="resume from 17"), BulkReply(422, detail="checksum")):
         raw = reply.pack()
         status, n = BulkReply.body_len(raw[:REPLY_HEAD_SIZE])
@@ -41,6 +51,8 @@ def test_every_frame_round_trips() -> None:
         (BulkHead(Op.PUSH, META_LIMIT + 1, 0, 1).pack(), "at most"),
         (BulkHead(Op.PUSH, 1, (1 << 63) - 1, 2).pack(), "past any shard"),
         (BulkHead(Op.PROBE, 1, 0, 5).pack(), "a probe carries no bytes"),
+        (BulkHead(Op.HELLO, 1, 0, 5).pack(), "a hello carries no bytes"),
+        (BulkHead(Op.HELLO, HELLO_LIMIT + 1, 0, 0).pack(), "at most 1024"),  # before the token: a token's size
     ],
 )
 def test_a_head_that_is_not_ours_is_refused(raw: bytes, why: str) -> None:

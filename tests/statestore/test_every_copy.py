@@ -95,3 +95,35 @@ def test_the_durable_copy_of_the_newest_step_comes_before_an_older_step_in_memor
     got = Checkpointer("job", socket_path=shm_root / "daemon.sock").restore()
     # before: step 2 from memory
     assert got is not None and got.step == 3 and got.source == "durable" and torch.equal(got.state["w"], _state(3)["w"])
+
+
+def test_a_header_changed_at_rest_is_a_corrupt_copy_and_the_replica_is_restored(cluster: LocalCluster) -> None:
+    """One digit of step 3's tree changed in node 0's index (same length, LMDB still valid): the
+    restarted daemon finds the header does not match its digest and drops that copy; the restore
+    takes step 3 from node 1's replica, with the tree as it was saved."""
+    import json
+
+    import lmdb
+
+    start_ring(cluster, 2)
+    _save(cluster, 0, range(1, 4))
+    until(lambda: _held_on(cluster, 1, 3) and _known(cluster, 1, 3), what="step 3 replicated to n1, and the coordinator told")
+    cluster.daemons[0].kill()
+    env = lmdb.open(str(cluster.roots[0] / "_index"), max_dbs=0)
+    with env.begin(write=True) as txn:
+        keys = [k for k, _ in txn.cursor() if k.startswith(b"state/job/") and k.endswith(b"3")]
+        assert keys, "step 3's index record"
+        key = keys[-1]
+        raw = txn.get(key)
+        tree = json.loads(raw)["header"]["tree_json"]
+        assert tree.count("3") == 1, tree  # the step counter: the one 3 in the tree
+        damaged = json.dumps(json.loads(raw) | {"header": {"tree_json": tree.replace("3", "7")}}).encode()
+        assert len(damaged) == len(raw)
+        txn.put(key, damaged)
+    env.close()
+    cluster.start_daemon("--gate-chunk-kb", "64", budget_mb=64, index=0)
+    until(lambda: _known(cluster, 0, 2), what="node 0 back, its intact steps told")
+    got = Checkpointer("job", Layout(), socket_path=cluster.socket(0)).restore()
+    # before: step 3 with state["step"] == 7, restored as intact, n1's copy never used
+    assert got is not None and got.step == 3 and got.state["step"] == 3 and torch.equal(got.state["w"], _state(3)["w"])
+    assert "does not match its digest" in cluster.daemons[-1].log()

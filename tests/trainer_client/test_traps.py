@@ -83,3 +83,27 @@ def test_a_checkpointer_of_another_shape_is_told_to_reshard_through_dcp(start_da
     with pytest.raises(LayoutError, match=r"saved by a job of shape \{'dp': 4, 'pp': 1, 'tp': 1\}, this one is \{'dp': 2"):
         two.restore()
     two.close()
+
+
+def test_a_step_outside_the_shared_range_is_refused_at_save_and_changes_nothing(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    """A step the coordinator could not take (2**60 > 2**53) once went through the client and the
+    daemon, and then had the node's heartbeats refused for good. Now ``save`` refuses it, naming
+    the range; the step before it stays the newest, and the daemon refuses it too if sent raw."""
+    from dataserver.protocol.limits import MAX_STEP
+    from statestore.protocol import control as proto
+
+    start_daemon()
+    ck = Checkpointer("bigstep", socket_path=shm_root / "daemon.sock")
+    try:
+        ck.save(3, {"w": torch.ones(4)})
+        for bad in (2**60, MAX_STEP + 1, -1):
+            with pytest.raises(ValueError, match=r"0\.\.2\^53-1"):
+                ck.save(bad, {"w": torch.zeros(4)})
+        ck.save(MAX_STEP, {"w": torch.full((4,), 2.0)})  # the largest step is a step
+        ck.wait()
+    finally:
+        ck.close()
+    got = Checkpointer("bigstep", socket_path=shm_root / "daemon.sock").restore()
+    assert got is not None and got.step == MAX_STEP and torch.equal(got.state["w"], torch.full((4,), 2.0))
+    with pytest.raises(ValueError, match=r"0\.\.2\^53-1"):
+        proto.decode_request(proto.encode(proto.Verify("bigstep", 2**60, [])))

@@ -1,0 +1,38 @@
+"""The limits every ffplane process applies to what comes from outside, defined once: the data
+server, the node daemon and the client library import them from here, and each checks at the
+first boundary a value crosses (the client at ``save``, the daemon at its control socket and peer
+ports, the data server at its routes), so a value one process takes is one every other takes.
+
+A step above the data server's range once got past the client and the daemon and then had every
+heartbeat of that node refused: the node was evicted for one job's bad value.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Steps are below this: exact in every JSON reader (a browser's, the status page's), so the
+# coordinator, the daemons and the page agree on every step they show.
+STEP_LIMIT = 1 << 53
+MAX_STEP = STEP_LIMIT - 1
+# Job, role and dataset names: no path separators, no leading dot, and short enough to be a file
+# name everywhere (a 256-character name made the file system answer ENAMETOOLONG).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+_NAME = re.compile(NAME_PATTERN)
+
+
+def check_step(value: object) -> int:
+    """``value`` as a step, or ValueError naming the range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"a step is an integer, got {type(value).__name__} {value!r}")
+    if not 0 <= value <= MAX_STEP:
+        raise ValueError(f"step must be in 0..2^53-1, got {value}")
+    return value
+
+
+def check_name(value: object) -> str:
+    """``value`` as a job, role or dataset name, or ValueError naming the rule."""
+    name = str(value)
+    if not _NAME.match(name):
+        raise ValueError(f"invalid name {name!r}: names must match {NAME_PATTERN}")
+    return name
