@@ -60,7 +60,7 @@ from dataserver.leadership import Leadership
 from dataserver.planner import Generation, Planner
 from dataserver.protocol.auth import load_token
 from dataserver.protocol.etcd import ALIVE_KEY, Etcd, EtcdUnavailable
-from dataserver.protocol.limits import STEP_LIMIT
+from dataserver.protocol.limits import MAX_COUNT, STEP_LIMIT
 from dataserver.protocol.servers import LEADER_HEADER
 from dataserver.protocol.settings import version
 from dataserver.shared_jobs import EtcdJobRegistry
@@ -78,7 +78,6 @@ _WHOLE_BODY_BYTES = 64 << 20
 # measured faster for the usual ~4 MiB steps (docs/decisions.md, "Data path, fourth pass").
 _INLINE_STEP_BYTES = 16 << 20
 _ADMIT_ATTEMPTS = 4  # a request re-checked this often when other servers keep changing its job's plan
-MAX_COUNT = 1 << 16  # the schema's bound on steps per request; --max-steps-per-request is at most this
 _NAME_LEN = 128
 _PROBE_S = 1.5  # how long the coordinator waits for a reported node's health check
 _REPROBE_S = 2.0  # how often unreachable members are checked again

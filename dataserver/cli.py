@@ -8,9 +8,14 @@ from pathlib import Path
 
 from dataserver.config import ServeConfig
 from dataserver.protocol.etcd import parse_endpoints
-from dataserver.protocol.settings import ConfigError, command_parser, parse, subcommand
+from dataserver.protocol.limits import MAX_COUNT
+from dataserver.protocol.settings import ConfigError, Number, command_parser, parse, port, port_or_off, positive_seconds, subcommand
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
+_SHARD_MB = Number(int, 1, 1 << 20)
+_STEPS_PER_REQUEST = Number(int, 1, MAX_COUNT)
+_BYTES = Number(int, 1, 1 << 40)
+_BODY_BYTES = Number(int, 1, 1 << 30)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     ing = subcommand(sub, "ingest", "convert JSONL/JSONL.GZ/Parquet/Arrow sources into a served dataset")
     ing.add_argument("sources", nargs="+", type=Path, metavar="SRC", help="source files (JSONL, JSONL.GZ, Parquet, Arrow IPC)")
     ing.add_argument("--out", type=Path, required=True, help="new dataset directory (under serve's --data-dir)")
-    ing.add_argument("--shard-mb", type=int, default=256, help="target shard size in MiB")
+    ing.add_argument("--shard-mb", type=_SHARD_MB, default=256, help="target shard size in MiB")
     ing.add_argument("--binary-field", action="append", default=[], help="JSONL field holding base64 bytes (repeatable)")
     ing.add_argument("--list-int-type", choices=["int32", "int64"], default="int32", help="type of JSON integer lists (token ids)")
     ing.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -31,17 +36,19 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--host", default=d.host, help="address to listen on (0.0.0.0: every interface; then with --etcd also --advertise-url)"
     )
-    srv.add_argument("--port", type=int, default=d.port, help="0 picks a free port (see --ready-file)")
+    srv.add_argument("--port", type=port, default=d.port, help="0 picks a free port (see --ready-file)")
     srv.add_argument("--state-dir", type=Path, default=None, help="job records (default <data-dir>/.ffplane-jobs)")
     srv.add_argument("--token-file", default=None, help="job bearer token (else $FFPLANE_TOKEN_FILE or $FFPLANE_TOKEN)")
     srv.add_argument("--ready-file", default=None, help="write {host,port,pid} JSON here once listening")
-    srv.add_argument("--max-steps-per-request", type=int, default=d.max_steps_per_request, help="most steps one batch request may ask for")
-    srv.add_argument("--max-bytes-per-request", type=int, default=d.max_bytes_per_request, help="batch bytes (estimated from the dataset's size) one request may ask for; 413 above")  # fmt: skip
-    srv.add_argument("--max-samples-per-step", type=int, default=d.max_samples_per_step, help="largest dp x batch_per_rank a job or generation may have")  # fmt: skip
-    srv.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (job, heartbeat); 413 above, before it is read")  # fmt: skip
-    srv.add_argument("--dead-after-s", type=float, default=d.dead_after_s, help="declare a node dead after this much silence")
-    srv.add_argument("--forget-dead-after-s", type=float, default=d.forget_dead_after_s, help="forget a dead node (and its shard inventory) after this long")  # fmt: skip
-    srv.add_argument("--heartbeat-udp-port", type=int, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")  # fmt: skip
+    srv.add_argument(
+        "--max-steps-per-request", type=_STEPS_PER_REQUEST, default=d.max_steps_per_request, help="most steps one batch request may ask for"
+    )
+    srv.add_argument("--max-bytes-per-request", type=_BYTES, default=d.max_bytes_per_request, help="batch bytes (estimated from the dataset's size) one request may ask for; 413 above")  # fmt: skip
+    srv.add_argument("--max-samples-per-step", type=_BYTES, default=d.max_samples_per_step, help="largest dp x batch_per_rank a job or generation may have")  # fmt: skip
+    srv.add_argument("--max-body-bytes", type=_BODY_BYTES, default=d.max_body_bytes, help="largest request body (job, heartbeat); 413 above, before it is read")  # fmt: skip
+    srv.add_argument("--dead-after-s", type=positive_seconds, default=d.dead_after_s, help="declare a node dead after this much silence")
+    srv.add_argument("--forget-dead-after-s", type=positive_seconds, default=d.forget_dead_after_s, help="forget a dead node (and its shard inventory) after this long")  # fmt: skip
+    srv.add_argument("--heartbeat-udp-port", type=port_or_off, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")  # fmt: skip
     srv.add_argument("--etcd", default=None, help="etcd members host:port[,host:port...]: job records live there, so several data servers serve the same jobs and one at a time coordinates (a lease); the nodes declared dead are published for torchrun's --rdzv-backend ffplane")  # fmt: skip
     srv.add_argument("--advertise-url", default=None, help="with --etcd: the URL daemons and the other data servers reach this one at (default http://HOST:PORT)")  # fmt: skip
     srv.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, help="least severe log lines written")
@@ -74,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {manifest['num_samples']} samples in {len(manifest['shards'])} shards to {args.out}")
         return 0
 
-    from dataserver.app import MAX_COUNT, create_app
+    from dataserver.app import create_app
     from dataserver.httpserver import die_with_parent_if_asked, serve, setup_logging
     from dataserver.protocol.auth import load_token
 
@@ -115,15 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     if token is None:
         print("dataserver serve: error: no job token; set FFPLANE_TOKEN or pass --token-file", file=sys.stderr)
         return 2
-    for flag, value, top in (
-        ("--max-steps-per-request", cfg_s.max_steps_per_request, MAX_COUNT),
-        ("--max-bytes-per-request", cfg_s.max_bytes_per_request, 1 << 40),
-        ("--max-samples-per-step", cfg_s.max_samples_per_step, 1 << 40),
-        ("--max-body-bytes", cfg_s.max_body_bytes, 1 << 30),
-    ):
-        if not 1 <= value <= top:
-            print(f"dataserver serve: error: {flag} must be in [1, {top}], got {value}", file=sys.stderr)
-            return 2
     if not cfg_s.data_dir.is_dir():
         print(f"dataserver serve: error: --data-dir {cfg_s.data_dir} is not a directory", file=sys.stderr)
         return 2

@@ -14,9 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dataserver.jobs import LAYOUT_LIMIT, SEED_LIMIT
 from dataserver.protocol.auth import load_token
 from dataserver.protocol.errors import FFPlaneError
-from dataserver.protocol.settings import ConfigError, command_parser, parse, subcommand
+from dataserver.protocol.limits import MAX_STEP, STEP_LIMIT
+from dataserver.protocol.settings import ConfigError, Number, command_parser, parse, positive_int, positive_seconds, subcommand
+
+_LAYOUT = Number(int, 1, LAYOUT_LIMIT)
+_SEED = Number(int, 0, SEED_LIMIT - 1)
+_STEP = Number(int, 0, MAX_STEP)
+_MAX_STEPS = Number(int, 1, STEP_LIMIT)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,10 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     create = subcommand(jobs, "create", "create a job (an identical one that exists is left as it is)")
     create.add_argument("name", help="the job's name (letters, digits, '-', '_', '.')")
     create.add_argument("--dataset", required=True, help="a dataset the data server serves (GET /v1/datasets)")
-    create.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
-    create.add_argument("--batch-per-rank", type=int, required=True, help="samples per rank per step")
-    create.add_argument("--seed", type=int, default=0, help="the plan's shuffle seed")
-    create.add_argument("--max-steps", type=int, default=None, help="the job's length in optimizer steps (none: unbounded)")
+    create.add_argument("--dp", type=_LAYOUT, required=True, help="data-parallel ranks")
+    create.add_argument("--batch-per-rank", type=_LAYOUT, required=True, help="samples per rank per step")
+    create.add_argument("--seed", type=_SEED, default=0, help="the plan's shuffle seed")
+    create.add_argument("--max-steps", type=_MAX_STEPS, default=None, help="the job's length in optimizer steps (none: unbounded)")
     for name, help_ in (
         ("list", "the jobs' names"),
         ("show", "a job's record as JSON"),
@@ -50,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 
     exp = subcommand(sub, "export", "a saved step as a plain DCP checkpoint directory (+ model.safetensors), readable without ffplane")
     exp.add_argument("job", help="the job")
-    exp.add_argument("step", type=int, help="the step to export")
+    exp.add_argument("step", type=_STEP, help="the step to export")
     exp.add_argument("directory", type=Path, help="where the DCP checkpoint goes")
     exp.add_argument(
         "--socket", type=Path, default=None, help="the node daemon's socket (default: $FFPLANE_DAEMON_SOCKET or /dev/shm/ffplane)"
@@ -62,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = subcommand(sub, "demo", "two nodes, a killed worker, a lost node: timelines and a bitwise check")
     demo.add_argument("--out", type=Path, default=Path("ffplane-demo"), help="where demo.json and the PNGs go")
-    demo.add_argument("--steps", type=int, default=40, help="training steps of the demo job")
+    demo.add_argument("--steps", type=positive_int, default=40, help="training steps of the demo job")
     demo.add_argument(
         "--model",
         choices=sorted(MODELS),
@@ -76,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 def _server_flags(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--dataserver", default=None, help="data server URL(s), comma-separated")
     cmd.add_argument("--token-file", default=None, help="the job token's file (else $FFPLANE_TOKEN)")
-    cmd.add_argument("--timeout-s", type=float, default=10.0, help="per request")
+    cmd.add_argument("--timeout-s", type=positive_seconds, default=10.0, help="per request")
 
 
 def main(argv: list[str] | None = None) -> int:

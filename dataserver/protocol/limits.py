@@ -15,6 +15,8 @@ import re
 # coordinator, the daemons and the page agree on every step they show.
 STEP_LIMIT = 1 << 53
 MAX_STEP = STEP_LIMIT - 1
+# Steps one batch request may ask for: the schema's bound; --max-steps-per-request is at most this.
+MAX_COUNT = 1 << 16
 # Job, role and dataset names: no path separators, no leading dot, and short enough to be a file
 # name everywhere (a 256-character name made the file system answer ENAMETOOLONG).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"

@@ -8,18 +8,40 @@ read unscoped (``$FFPLANE_DATASERVER``, ``$FFPLANE_TOKEN_FILE``, ``$FFPLANE_LOG_
 ``$FFPLANE_LOG_FORMAT``), as the client library reads them. A file key that names no flag is an
 error (a typo must not silently fall back to a default), as is a value of the wrong type.
 ``--help`` shows each flag's default and its variable.
+
+Every numeric flag's ``type=`` is a ``Number``: its range, checked where a value enters (the flag,
+the variable and the file all go through it), so ``nan``, ``inf`` and a port of 99999 are refused
+in one line naming their source, never found later by the server. The ranges shared by every
+command are declared here once (``port``, ``positive_seconds``, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONFIG_ENV", "ConfigError", "command_parser", "env_name", "parse", "subcommand", "version"]
+__all__ = [
+    "CONFIG_ENV",
+    "ConfigError",
+    "Number",
+    "command_parser",
+    "env_name",
+    "nonneg_int",
+    "nonneg_rate",
+    "nonneg_seconds",
+    "parse",
+    "port",
+    "port_or_off",
+    "positive_int",
+    "positive_seconds",
+    "subcommand",
+    "version",
+]
 
 CONFIG_ENV = "FFPLANE_CONFIG"
 _SHARED = frozenset({"dataserver", "token_file", "log_level", "log_format"})  # also read unscoped
@@ -28,6 +50,49 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 class ConfigError(ValueError):
     """A setting from the environment or the config file that cannot be used; names its source."""
+
+
+class Number:
+    """An argparse ``type=``: an ``int`` or a finite ``float`` in ``lo..hi`` (``above``: ``lo``
+    itself excluded); anything else is an ``ArgumentTypeError`` naming the range."""
+
+    def __init__(self, kind: type[int] | type[float], lo: float, hi: float, *, above: bool = False, unit: str = "") -> None:
+        self.kind, self.lo, self.hi, self.above, self.unit = kind, lo, hi, above, unit
+        self.__name__ = kind.__name__  # argparse names a type by it
+
+    def describe(self) -> str:
+        what = "an integer" if self.kind is int else f"{self.unit or 'a number'}"
+        lo = f"> {self.lo:g}" if self.above else f">= {self.lo:g}"
+        if self.kind is float:
+            return f"{what} {lo} and <= {self.hi:g}"
+        return f"{what} {lo}" if self.hi >= _INT_MAX else f"{what} in {self.lo}..{self.hi}"
+
+    def __call__(self, raw: str) -> int | float:
+        try:
+            value = self.kind(raw.strip())
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"expected {self.describe()}, got {raw!r}") from None
+        if not math.isfinite(value) or value < self.lo or (self.above and value == self.lo) or value > self.hi:
+            raise argparse.ArgumentTypeError(f"expected {self.describe()}, got {raw!r}")
+        return value
+
+
+_INT_MAX = (1 << 53) - 1  # exact in every JSON reader
+_SECONDS_MAX = 365 * 86400.0
+port = Number(int, 0, 65535)  # 0: the system picks one
+port_or_off = Number(int, -1, 65535)  # -1: none
+positive_int = Number(int, 1, _INT_MAX)
+nonneg_int = Number(int, 0, _INT_MAX)
+positive_seconds = Number(float, 0, _SECONDS_MAX, above=True, unit="seconds")
+nonneg_seconds = Number(float, 0, _SECONDS_MAX, unit="seconds")
+nonneg_rate = Number(float, 0, 1e9, unit="Mbit/s")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Refuses bad input in one line (argparse prints its usage first; ``--help`` still shows it)."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def version() -> str:
@@ -46,7 +111,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
 def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The top parser of an ffplane command: ``--version``, ``--config``, defaults in ``--help``."""
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=_Formatter)
+    p = _Parser(prog=prog, description=description, formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--config", metavar="FILE", default=None, help=f"TOML file of settings (else ${CONFIG_ENV}); flags and environment win")
     return p
@@ -131,6 +196,9 @@ def _apply(prog: str, command: str | None, sub: argparse.ArgumentParser, section
     unknown = sorted(set(given) - set(actions))
     if unknown:
         raise ConfigError(f"{where} has {unknown}, which {prog} {command or ''} has no flag for; its settings: {sorted(actions)}")
+    for action in sub._actions:  # a positional's range is in its help too
+        if not action.option_strings and isinstance(action.type, Number) and action.help:
+            action.help = f"{action.help} [{action.type.describe()}]"
     for dest, action in actions.items():
         name = env_name(prog, dest)
         names = [name] + ([f"FFPLANE_{dest.upper()}"] if dest in _SHARED else [])
@@ -145,7 +213,8 @@ def _apply(prog: str, command: str | None, sub: argparse.ArgumentParser, section
             action.default = value
             action.required = False
         if action.help is not argparse.SUPPRESS:
-            action.help = f"{action.help or ''} [env {name}]".strip()
+            limits = f" [{action.type.describe()}]" if isinstance(action.type, Number) else ""
+            action.help = f"{action.help or ''}{limits} [env {name}]".strip()
 
 
 def _convert(action: argparse.Action, raw: Any, source: str) -> Any:

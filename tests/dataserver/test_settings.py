@@ -61,7 +61,7 @@ def test_shared_settings_are_read_unscoped(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize(
     ("env", "file", "message"),
     [
-        ({"FFPLANE_STATESTORE_WINDOW": "four"}, "", r"\$FFPLANE_STATESTORE_WINDOW: invalid literal for int"),
+        ({"FFPLANE_STATESTORE_WINDOW": "four"}, "", r"\$FFPLANE_STATESTORE_WINDOW: expected an integer >= 1, got 'four'"),
         ({"FFPLANE_STATESTORE_NO_REPLICATE": "maybe"}, "", r"\$FFPLANE_STATESTORE_NO_REPLICATE: expected true or false"),
         ({"FFPLANE_STATESTORE_LOG_LEVEL": "verbose"}, "", r"'verbose' is not one of \['debug', 'error', 'info', 'warning'\]"),
         ({}, "[statestore.serve]\nbudget_gb = 4\n", r"has \['budget_gb'\], which statestore serve has no flag for"),
@@ -118,3 +118,66 @@ def _a_valid_argv(prog: str) -> list[str]:
 def test_version_everywhere(module: str) -> None:
     r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and version() in r.stdout
+
+
+# --- ranges: every numeric setting has one, checked where the value enters ------------------------
+
+
+def _run(module: str, argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The command run to its exit (a value it failed to refuse would leave it serving: the timeout fails the test)."""
+    import os
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FFPLANE_")} | {"FFPLANE_TOKEN": "test-token-0123456789"}
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=20, env=base | (env or {}), cwd=cwd
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "env", "file", "source"),
+    [
+        ("dataserver", ["serve", "--dead-after-s", "nan"], {}, "", "--dead-after-s"),
+        ("dataserver", ["serve", "--dead-after-s", "0"], {}, "", "--dead-after-s"),
+        ("dataserver", ["serve", "--port", "99999"], {}, "", "--port"),
+        ("dataserver", ["serve", "--heartbeat-udp-port", "70000"], {}, "", "--heartbeat-udp-port"),
+        ("dataserver", ["serve"], {"FFPLANE_DATASERVER_DEAD_AFTER_S": "inf"}, "", "$FFPLANE_DATASERVER_DEAD_AFTER_S"),
+        ("dataserver", ["serve"], {}, "[dataserver.serve]\nforget-dead-after-s = nan\n", "[dataserver.serve] forget_dead_after_s"),
+        ("statestore", ["serve", "--heartbeat-s", "0"], {}, "", "--heartbeat-s"),
+        ("statestore", ["serve"], {"FFPLANE_STATESTORE_HEARTBEAT_S": "nan"}, "", "$FFPLANE_STATESTORE_HEARTBEAT_S"),
+        ("statestore", ["serve"], {}, "[statestore.serve]\nbulk_port = 70000\n", "[statestore.serve] bulk_port"),
+        ("ffplane_harness.cli", ["status", "--timeout-s", "-1"], {}, "", "--timeout-s"),
+        ("ffplane_harness.cli", ["job", "create", "j", "--dataset", "d", "--dp", "0", "--batch-per-rank", "1"], {}, "", "--dp"),
+    ],
+)
+def test_a_number_out_of_range_is_refused_in_one_line_naming_its_source(
+    tmp_path: Path, module: str, argv: list[str], env: dict[str, str], file: str, source: str
+) -> None:
+    extra = {"dataserver": ["--data-dir", str(tmp_path)], "statestore": ["--dataserver", "http://127.0.0.1:9", "--root", str(tmp_path)]}
+    argv = argv + extra.get(module, []) + (["--port", "0"] if module == "dataserver" and "--port" not in argv else [])
+    if file:
+        (tmp_path / "c.toml").write_text(file)
+        argv = ["--config", str(tmp_path / "c.toml"), *argv]
+    r = _run(module, argv, env, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert source in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("prog", sorted(PARSERS))
+def test_every_numeric_setting_has_a_range_that_refuses_nan_and_inf(prog: str) -> None:
+    from dataserver.protocol.settings import Number, _commands
+
+    parser = PARSERS[prog]()
+    parse(parser, _a_valid_argv(prog))
+    seen = 0
+    for command, sub in _commands(parser):
+        for action in sub._actions:
+            numeric = action.type in (int, float) or (type(action.default) in (int, float) and action.choices is None)
+            if numeric or isinstance(action.type, Number):
+                assert isinstance(action.type, Number), f"{prog} {command} {action.dest}: no range"
+                seen += 1
+                for bad in ("nan", "inf", "-inf", "1e999", "", "x"):
+                    with pytest.raises(argparse.ArgumentTypeError):
+                        action.type(bad)
+                assert f"[{action.type.describe()}]" in (action.help or ""), f"{prog} {command} {action.dest}: range not in --help"
+    assert seen

@@ -30,9 +30,9 @@ def test_one_daemon_per_root(shm_root: Path, start_daemon: Callable[..., Proc]) 
 
 def test_bad_config_is_named(shm_root: Path) -> None:
     r = refused_daemon(shm_root, "--window", "0")
-    assert r.returncode == 2 and "window must be >= 1" in r.stderr
+    assert r.returncode == 2 and "--window: expected an integer >= 1" in r.stderr
     r = refused_daemon(shm_root, "--fetch-steps", "300")  # more than a data server answers in one request
-    assert r.returncode == 2 and "fetch_steps must be <= 256" in r.stderr
+    assert r.returncode == 2 and "--fetch-steps: expected an integer in 1..256" in r.stderr
 
 
 def test_refuses_to_start_without_a_token_and_leaves_nothing(shm_root: Path) -> None:
