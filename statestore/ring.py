@@ -56,6 +56,7 @@ class Replicator:
         self._pending: dict[tuple[str, str], set[int]] = {}  # (job, role) → steps to push
         self._held: set[tuple[str, str, int]] = set()  # replicas we forward (their primary died)
         self._again: set[tuple[str, str, int]] = set()  # sent before a ring change: the successor may hold them
+        self._fresh: set[tuple[str, str, int]] = set()  # committed here since the last push of it: may claim the newest step
         self._commits: dict[tuple[str, str], int] = {}  # per role, since this daemon started
         self._wake = asyncio.Event()
         self.successor: str | None = None
@@ -80,6 +81,7 @@ class Replicator:
         if self.successor is None:
             return  # nowhere to push (it would only pile up): a new successor gets every newest version (_ring_changed)
         self._pending.setdefault((job, role), set()).add(step)
+        self._fresh.add((job, role, step))
         self._wake.set()
 
     async def until_replicated(self, job: str, role: str, step: int) -> None:
@@ -241,8 +243,12 @@ class Replicator:
                     # replica re-sent after its primary died has older steps than the successor may
                     # already hold from that primary, and claiming them as newest made the
                     # successor drop the newer ones as a rewound future (19 steps lost, the spare
-                    # benchmark)
-                    max(self._local_steps(job, role, shard.kind)) if shard.kind == "primary" else None,
+                    # benchmark). Nor may a primary copy re-sent after a ring change: a node that
+                    # no longer runs the role (its ranks moved at a rank-0 loss) still holds it,
+                    # and its claim made the new successor drop the newer replicas the role's
+                    # new primary had pushed there (30 steps lost after a spare takeover). Only
+                    # a fresh commit speaks for the role's present.
+                    max(self._local_steps(job, role, shard.kind)) if shard.kind == "primary" and (job, role, step) in self._fresh else None,
                     lambda: self._urgent(job, role),
                     maybe_there=(job, role, step) in self._again,
                 )
@@ -333,6 +339,7 @@ class Replicator:
 
     def _discard(self, job: str, role: str, step: int) -> None:
         self._again.discard((job, role, step))
+        self._fresh.discard((job, role, step))
         steps = self._pending.get((job, role))
         if steps is not None:
             steps.discard(step)

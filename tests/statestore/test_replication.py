@@ -93,6 +93,34 @@ def test_replicas_resent_for_a_dead_primary_do_not_drop_the_newer_ones_its_succe
     assert got is not None and got.step == 6 and torch.equal(got.state["w"], _state(6, 0)["w"])
 
 
+def test_a_node_that_no_longer_runs_a_role_does_not_make_its_successor_drop_that_roles_newer_replicas(cluster: LocalCluster) -> None:
+    """After a spare takeover torchrun reshuffles ranks, so a role moves from one node to another
+    and the first keeps its old versions as primary copies. At the next ring change it re-sent them
+    claiming its newest step of the role as the role's newest, and its new successor dropped the
+    newer replicas the role's new primary had pushed there as a rewound future: the next node loss
+    went ~30 steps back (bench/recovery.py --spare). Here the role runs on n0, then on n1; n1 is
+    lost; n2 must keep its replicas of steps 7 and 8."""
+    start_ring(cluster, 3)  # n0 → n1 → n2 → n0
+    role = "dp0-pp0-tp0"
+    _save(cluster, 0, 0, range(1, 4))  # the role runs on n0
+    until(lambda: "n1" in _held(cluster, role, 3), what="step 3 on n1")
+    _save(cluster, 1, 0, range(4, 9))  # the role moved to n1
+    until(lambda: "n2" in _held(cluster, role, 8), what="steps 7, 8 replicated on n2")
+    cluster.lose_node(1)  # n0's successor becomes n2, which holds the role's newest replicas
+    until(lambda: "n1" in _status(cluster)["dead"], what="n1 declared dead")
+
+    def resent() -> bool:
+        r = daemon_state(cluster, 0)["replication"]
+        return bool(r["successor"] == "n2" and r["pending"] == 0)
+
+    until(resent, what="n0 done re-sending to n2")
+    until(lambda: "n2" in _held(cluster, role, 8) and "n0" in _held(cluster, role, 8), what="step 8 on n2, and forwarded to n0")
+    held_on_n2 = sorted(r["step"] for r in daemon_state(cluster, 2)["replicas"] if r["role"] == role)
+    assert 8 in held_on_n2 and 7 in held_on_n2, held_on_n2  # before: [2, 3] (n0's stale re-send dropped 7 and 8)
+    got = Checkpointer("job", socket_path=cluster.socket(2)).restore()
+    assert got is not None and got.step == 8 and torch.equal(got.state["w"], _state(8, 0)["w"])
+
+
 def test_a_ring_change_elsewhere_resends_nothing_the_successor_holds(cluster: LocalCluster) -> None:
     """A node joining between others changes every daemon's ring; a predecessor whose successor
     stayed the same asks it before sending its newest versions again (it used to send each whole
