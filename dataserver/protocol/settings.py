@@ -6,7 +6,9 @@ Each flag ``--budget-mb`` of ``statestore serve`` is also ``$FFPLANE_STATESTORE_
 ``--config`` or ``$FFPLANE_CONFIG``. A few settings mean the same to every process and are also
 read unscoped (``$FFPLANE_DATASERVER``, ``$FFPLANE_TOKEN_FILE``, ``$FFPLANE_LOG_LEVEL``,
 ``$FFPLANE_LOG_FORMAT``), as the client library reads them. A file key that names no flag is an
-error (a typo must not silently fall back to a default), as is a value of the wrong type.
+error (a typo must not silently fall back to a default), as are a table that is no command's
+(``[statestore.serv]``), a setting given twice (``budget_mb`` and ``budget-mb``), a value of the
+wrong type and a file that is not UTF-8.
 ``--help`` shows each flag's default and its variable.
 
 Every numeric flag's ``type=`` is a ``Number``: its range, checked where a value enters (the flag,
@@ -44,6 +46,20 @@ __all__ = [
 ]
 
 CONFIG_ENV = "FFPLANE_CONFIG"
+# Every command's table a config file may hold: one file serves them all, so a table for a command
+# other than the one running is fine, and any other table is a typo (a test holds it to the parsers).
+COMMANDS = (
+    "dataserver.ingest",
+    "dataserver.serve",
+    "ffplane.demo",
+    "ffplane.export",
+    "ffplane.job.create",
+    "ffplane.job.delete",
+    "ffplane.job.list",
+    "ffplane.job.show",
+    "ffplane.status",
+    "statestore.serve",
+)
 _SHARED = frozenset({"dataserver", "token_file", "log_level", "log_format"})  # also read unscoped
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -134,6 +150,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) ->
     argv = list(sys.argv[1:] if argv is None else argv)
     path = _config_path(argv)
     table = _load(path) if path else {}
+    _check_tables(table, "", path)
     for command, sub in _commands(parser):
         section: Any = table.get(parser.prog, {})
         for part in command.split(".") if command else ():
@@ -141,7 +158,6 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) ->
         if sub is not parser and not any(a.dest == "config" for a in sub._actions):
             sub.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML file of settings (see the command's --help)")
         _apply(parser.prog, command, sub, section, path)
-    _check_unknown(table, path)
     return parser.parse_args(argv)
 
 
@@ -167,6 +183,8 @@ def _load(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}: {exc.reason}); TOML files are UTF-8") from exc
 
 
 def _commands(parser: argparse.ArgumentParser) -> list[tuple[str | None, argparse.ArgumentParser]]:
@@ -190,8 +208,13 @@ def _apply(prog: str, command: str | None, sub: argparse.ArgumentParser, section
     where = f"config file {path} [{'.'.join(p for p in (prog, command) if p)}]"
     if not isinstance(section, dict):
         raise ConfigError(f"{where} must be a table of settings")
-    nested = {k for k, v in section.items() if isinstance(v, dict)}  # a deeper command's table
-    given = {k.replace("-", "_"): v for k, v in section.items() if k not in nested}
+    given: dict[str, Any] = {}
+    for key, value in section.items():  # budget-mb and budget_mb are one setting: given once
+        dest = key.replace("-", "_")
+        if dest in given:
+            spelled = sorted(k for k in section if k.replace("-", "_") == dest)
+            raise ConfigError(f"{where} sets {dest} twice (as {' and '.join(map(repr, spelled))}): keep one")
+        given[dest] = value
     actions = {a.dest: a for a in _settable(sub)}
     unknown = sorted(set(given) - set(actions))
     if unknown:
@@ -240,10 +263,18 @@ def _convert(action: argparse.Action, raw: Any, source: str) -> Any:
     return value
 
 
-def _check_unknown(table: dict[str, Any], path: Path | None) -> None:
-    """One file may configure every ffplane command; anything else in it is a mistake."""
-    extra = sorted(set(table) - {"dataserver", "statestore", "ffplane"})
-    if extra:
-        raise ConfigError(
-            f"config file {path} has {extra}; its tables are [dataserver.<subcommand>], [statestore.serve], [ffplane.<subcommand>]"
-        )
+def _check_tables(section: dict[str, Any], at: str, path: Path | None) -> None:
+    """Every table of the file is a command's (``COMMANDS``) or on the way to one, and settings are
+    only in commands' tables: ``[statestore.serv]`` must not be silently read as nothing."""
+    for key, value in section.items():
+        name = f"{at}.{key}" if at else key
+        if isinstance(value, dict):
+            if not any(c == name or c.startswith(name + ".") for c in COMMANDS):
+                known = ", ".join(f"[{c}]" for c in COMMANDS)
+                raise ConfigError(f"config file {path} has [{name}], which is no ffplane command's; the tables are {known}")
+            _check_tables(value, name, path)
+        elif at not in COMMANDS:
+            settings = sorted(k for k, v in section.items() if not isinstance(v, dict))
+            where = f"[{at}]" if at else "its top level"
+            tables = ", ".join(f"[{c}]" for c in COMMANDS if not at or c.startswith(at + "."))
+            raise ConfigError(f"config file {path} {where} has {settings}: settings go in a command's table ({tables})")

@@ -67,7 +67,21 @@ def test_shared_settings_are_read_unscoped(monkeypatch: pytest.MonkeyPatch) -> N
         ({}, "[statestore.serve]\nbudget_gb = 4\n", r"has \['budget_gb'\], which statestore serve has no flag for"),
         ({}, "[statestore.serve]\nwindow = [1, 2]\n", r"window: expected a single value"),
         ({}, "[statestore.serve\n", r"is not valid TOML"),
-        ({}, "[trainer]\nx = 1\n", r"has \['trainer'\]; its tables are"),
+        ({}, "[trainer]\nx = 1\n", r"\[trainer\], which is no ffplane command's; the tables are \[dataserver.ingest\]"),
+        (
+            {},
+            "[statestore.serv]\nwindow = 1\n",
+            r"\[statestore.serv\], which is no ffplane command's; the tables are .*\[statestore.serve\]",
+        ),
+        ({}, "[dataserver.serv]\nport = 1\n", r"\[dataserver.serv\], which is no ffplane command's"),  # another command's, mistyped
+        ({}, "[ffplane.job.creat]\ndp = 1\n", r"\[ffplane.job.creat\], which is no ffplane command's"),
+        ({}, "[statestore.serve.gate]\nx = 1\n", r"\[statestore.serve.gate\], which is no ffplane command's"),
+        ({}, "[statestore]\nwindow = 1\n", r"\[statestore\] has \['window'\]: settings go in a command's table"),
+        (
+            {},
+            "[statestore.serve]\nbudget_mb = 1\nbudget-mb = 2\n",
+            r"\[statestore.serve\] sets budget_mb twice \(as 'budget-mb' and 'budget_mb'\)",
+        ),
     ],
 )
 def test_a_bad_setting_names_where_it_came_from(
@@ -181,3 +195,19 @@ def test_every_numeric_setting_has_a_range_that_refuses_nan_and_inf(prog: str) -
                         action.type(bad)
                 assert f"[{action.type.describe()}]" in (action.help or ""), f"{prog} {command} {action.dest}: range not in --help"
     assert seen
+
+
+def test_a_file_may_hold_every_commands_tables(tmp_path: Path) -> None:
+    from dataserver.protocol.settings import COMMANDS, _commands
+
+    declared = {f"{prog}.{command}" for prog, make in PARSERS.items() for command, _ in _commands(make())}
+    assert set(COMMANDS) == declared  # the tables a file may hold are the commands there are
+    (tmp_path / "c.toml").write_text("\n".join(f"[{c}]" + ("\nwindow = 3" if c == "statestore.serve" else "") for c in COMMANDS))
+    assert _serve(["--config", str(tmp_path / "c.toml")]).window == 3
+
+
+def test_a_config_file_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_bytes(b'[statestore.serve]\nnode-id = "n\xe9"\n')
+    r = _run("statestore", ["--config", str(tmp_path / "c.toml"), "serve", "--dataserver", "http://127.0.0.1:9", "--root", str(tmp_path)])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "c.toml is not UTF-8" in r.stderr, r.stderr
