@@ -37,6 +37,9 @@ STATUS_PAGE = """<!doctype html>
 "use strict";
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"})[c]);
 const mib = (b) => (b / 1048576).toFixed(0) + " MiB";
+// Only an http(s) URL becomes a link: the leader's URL comes from another server (its
+// --advertise-url, through etcd), and a javascript: one must not run on a click.
+const link = (url) => /^https?:[/][/][^\\s"'<>]+$/i.test(url) ? '<a href="' + esc(url) + '/">' + esc(url) + "</a>" : esc(url);
 const row = (cells) => "<tr>" + cells.map((c) => "<td>" + c + "</td>").join("") + "</tr>";
 
 function draw(c) {
@@ -73,7 +76,7 @@ async function poll() {
     const r = await fetch("/v1/cluster");
     if (r.status === 421) {
       const leader = r.headers.get("X-FFplane-Leader");
-      document.getElementById("error").innerHTML = "this data server does not coordinate now; the coordinator is " + (leader ? '<a href="' + esc(leader) + '/">' + esc(leader) + "</a>" : "unknown");
+      document.getElementById("error").innerHTML = "this data server does not coordinate now; the coordinator is " + (leader ? link(leader) : "unknown");
     } else if (!r.ok) {
       document.getElementById("error").textContent = "HTTP " + r.status + ": " + ((await r.json()).detail || "");
     } else {

@@ -80,3 +80,40 @@ def test_recovery_is_the_first_newer_commit_after_the_failure() -> None:
     assert _recovery(commits, 12.0) == 3.0  # newest by then: 6; the first newer one: 7 at 15.0
     assert _recovery(commits, 16.5) is None  # nothing newer yet
     assert _recovery(commits, 9.0) is None  # nothing kept from before: cannot tell
+
+
+NODE = shutil.which("node") or shutil.which("nodejs")
+
+
+def _page_script_with(leader: str) -> str:
+    """The page's own script run by Node against a follower's answer (421, ``leader`` in the
+    header): what it writes into the error line."""
+    import json
+    import re
+
+    from dataserver.status_page import STATUS_PAGE
+
+    script = re.search(r"<script>(.*)</script>", STATUS_PAGE, re.S)
+    assert script is not None and NODE is not None
+    harness = f"""
+const els = {{}};
+const el = (id) => (els[id] = els[id] || {{ innerHTML: "", textContent: "" }});
+globalThis.document = {{ getElementById: el, querySelector: el }};
+globalThis.setTimeout = () => {{}};
+globalThis.fetch = async () => ({{ status: 421, ok: false, headers: {{ get: () => {json.dumps(leader)} }} }});
+{script.group(1)}
+setImmediate(() => process.stdout.write(els.error.innerHTML));
+"""
+    done = subprocess.run([NODE, "-e", harness], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.skipif(NODE is None, reason="no Node.js to run the page's script")
+def test_a_followers_page_links_only_to_an_http_leader() -> None:
+    html = _page_script_with("javascript:alert(1)")
+    assert "<a" not in html and "href" not in html and "javascript:alert(1)" in html  # shown, not linked
+    html = _page_script_with('http://10.0.0.1:8470"><script>x</script>')
+    assert "<script>" not in html
+    html = _page_script_with("http://10.0.0.1:8470")
+    assert '<a href="http://10.0.0.1:8470/">http://10.0.0.1:8470</a>' in html
