@@ -16,7 +16,7 @@ from typing import Any
 
 from dataserver.jobs import LAYOUT_LIMIT, SEED_LIMIT
 from dataserver.protocol.auth import load_token
-from dataserver.protocol.errors import FFPlaneError
+from dataserver.protocol.errors import FFPlaneError, NotFoundError
 from dataserver.protocol.limits import MAX_STEP, STEP_LIMIT
 from dataserver.protocol.settings import ConfigError, Number, command_parser, parse, positive_int, positive_seconds, subcommand
 
@@ -59,8 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("job", help="the job")
     exp.add_argument("step", type=_STEP, help="the step to export")
     exp.add_argument("directory", type=Path, help="where the DCP checkpoint goes")
-    exp.add_argument(
-        "--socket", type=Path, default=None, help="the node daemon's socket (default: $FFPLANE_DAEMON_SOCKET or /dev/shm/ffplane)"
+    exp.add_argument(  # dest daemon_socket: its variable is the one every process reads, $FFPLANE_DAEMON_SOCKET
+        "--daemon-socket",
+        "--socket",
+        dest="daemon_socket",
+        type=Path,
+        default=None,
+        help="the node daemon's socket (default: /dev/shm/ffplane/daemon.sock)",
     )
     exp.add_argument("--durable-dir", type=Path, default=None, help="read the durable tier here when no daemon answers")
     exp.add_argument("--model-key", default="model", help="the state key whose tensors go to model.safetensors")
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             from trainer_client.export import export
 
             done = export(
-                args.job, args.step, args.directory, socket_path=args.socket, durable_dir=args.durable_dir, model_key=args.model_key
+                args.job, args.step, args.directory, socket_path=args.daemon_socket, durable_dir=args.durable_dir, model_key=args.model_key
             )
             print(
                 f"step {done.step} of {args.job}: {done.items} items in {done.directory}, {done.model_tensors} tensors in model.safetensors"
@@ -105,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from trainer_client.jobs import Jobs
 
+        if not args.dataserver:  # Jobs() would say it in Python's words (dataserver='...')
+            raise ValueError("no data server: pass --dataserver http://HOST:PORT or set $FFPLANE_DATASERVER")
         client = Jobs(args.dataserver, load_token(args.token_file), args.timeout_s)
         if args.command == "status":
             cluster = client.cluster()
@@ -123,11 +130,23 @@ def _job(client: Any, args: argparse.Namespace) -> int:
     elif args.job_command == "list":
         print("\n".join(client.list()))
     elif args.job_command == "show":
-        print(json.dumps(client.get(args.name), indent=1))
+        print(json.dumps(_known(client, "get", args.name), indent=1))
     else:
-        client.delete(args.name)
+        _known(client, "delete", args.name)
         print(f"job {args.name} deleted")
     return 0
+
+
+def _known(client: Any, method: str, name: str) -> Any:
+    """``client.method(name)``, a 404 told in this command's words (the server's names its HTTP route)."""
+    try:
+        return getattr(client, method)(name)
+    except NotFoundError as exc:
+        raise NotFoundError(
+            f"unknown job {name!r} on {client.client.url}; create it with ffplane job create {name} --dataset D --dp N --batch-per-rank B "
+            "(ffplane job list names the jobs there are)",
+            exc.status,
+        ) from exc
 
 
 # --- status ------------------------------------------------------------------------------------
@@ -155,7 +174,10 @@ def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
     for name, j in sorted(c["jobs"].items()):
         if only_job not in (None, name):
             continue
-        out.append(f"\njob {name}: restorable step {j.get('restorable_step')}, newest committed {j.get('committed_step')}")
+        restorable, committed = j.get("restorable_step"), j.get("committed_step")
+        restorable_s = "nothing restorable yet" if restorable is None else f"restorable step {restorable}"
+        committed_s = "nothing committed yet" if committed is None else f"newest committed {committed}"
+        out.append(f"\njob {name}: {restorable_s}, {committed_s}")
         role_rows = [("ROLE", "STEP: NODES WITH A COPY")]
         for role, steps in sorted((j.get("shard_locations") or {}).items()):
             newest = sorted(steps.items(), key=lambda kv: -int(kv[0]))[:2]

@@ -85,3 +85,31 @@ def test_ffplane_status_shows_nodes_roles_and_restorable_step(dataserver: Proc, 
     assert "job st: restorable step 2" in r.stdout and "MiB" in r.stdout and "open" in r.stdout
     gathered = json.loads(_ffplane("status", "--json", dataserver=dataserver.url).stdout)
     assert gathered["jobs"]["st"]["restorable_step"] == 2 and node in gathered["daemons"]
+
+
+def test_the_ffplane_command_speaks_in_its_own_flags(dataserver: Proc) -> None:
+    nowhere = _ffplane("job", "list")  # the Python wording (dataserver='...') is for Python callers
+    assert nowhere.returncode == 2 and "--dataserver" in nowhere.stderr and "$FFPLANE_DATASERVER" in nowhere.stderr
+    assert "dataserver='" not in nowhere.stderr and len(nowhere.stderr.strip().splitlines()) == 1
+    unknown = _ffplane("job", "show", "nope", dataserver=dataserver.url)
+    assert unknown.returncode == 2 and "unknown job 'nope'" in unknown.stderr and "ffplane job create" in unknown.stderr
+    assert "POST /v1/jobs" not in unknown.stderr
+    assert (
+        _ffplane(
+            "job", "create", "fresh", "--dataset", "tokens", "--dp", "1", "--batch-per-rank", "4", dataserver=dataserver.url
+        ).returncode
+        == 0
+    )
+    status = _ffplane("status", dataserver=dataserver.url)
+    assert status.returncode == 0 and "None" not in status.stdout, status.stdout
+    assert "job fresh: nothing restorable yet, nothing committed yet" in status.stdout, status.stdout
+    helped = _ffplane("export", "--help")
+    assert "FFPLANE_DAEMON_SOCKET" in helped.stdout and "FFPLANE_SOCKET" not in helped.stdout, helped.stdout
+
+
+def test_the_readme_sets_the_data_server_before_the_ffplane_commands_need_it() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("## Using it", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    assert "export FFPLANE_DATASERVER=" in block
+    first_ffplane = min(i for i, line in enumerate(block.splitlines()) if line.startswith("ffplane "))
+    assert any(line.startswith("export FFPLANE_DATASERVER=") for line in block.splitlines()[:first_ffplane])
