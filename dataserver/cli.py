@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--forget-dead-after-s", type=positive_seconds, default=d.forget_dead_after_s, help="forget a dead node (and its shard inventory) after this long")  # fmt: skip
     srv.add_argument("--heartbeat-udp-port", type=port_or_off, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")  # fmt: skip
     srv.add_argument("--etcd", default=None, help="etcd members host:port[,host:port...]: job records live there, so several data servers serve the same jobs and one at a time coordinates (a lease); the nodes declared dead are published for torchrun's --rdzv-backend ffplane")  # fmt: skip
+    srv.add_argument("--etcd-wait-s", type=positive_seconds, default=d.etcd_wait_s, help="with --etcd: how long the members may not answer at start; then the server refuses to start (exit 2), naming them")  # fmt: skip
     srv.add_argument("--advertise-url", default=None, help="with --etcd: the URL daemons and the other data servers reach this one at (default http://HOST:PORT)")  # fmt: skip
     srv.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, help="least severe log lines written")
     srv.add_argument("--log-format", default="auto", choices=["auto", "text", "json"], help="auto: text on a terminal, JSON lines otherwise")  # fmt: skip
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         forget_dead_after_s=args.forget_dead_after_s,
         heartbeat_udp_port=args.heartbeat_udp_port,
         etcd=args.etcd,
+        etcd_wait_s=args.etcd_wait_s,
         advertise_url=args.advertise_url,
         log_level=args.log_level,
     )
@@ -125,9 +127,24 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg_s.data_dir.is_dir():
         print(f"dataserver serve: error: --data-dir {cfg_s.data_dir} is not a directory", file=sys.stderr)
         return 2
+    if cfg_s.etcd is not None and not _etcd_answers(cfg_s.etcd, cfg_s.etcd_wait_s):
+        return 2
     app = create_app(cfg_s, token)
     serve(app, cfg_s.host, cfg_s.port, cfg_s.ready_file, on_bound=lambda port: setattr(cfg_s, "port", port))
     return 0
+
+
+def _etcd_answers(endpoints: str, wait_s: float) -> bool:
+    """Whether etcd answers a read within ``wait_s``; if not, says so in one line. The job records
+    live there: a server that started without them would fail its first request, not its start."""
+    from dataserver.protocol.etcd import Etcd, EtcdUnavailable
+
+    try:
+        Etcd(endpoints, retry_s=wait_s).get(b"/ffplane/ready-probe")
+    except (EtcdUnavailable, ValueError) as exc:
+        print(f"dataserver serve: error: --etcd {endpoints}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 if __name__ == "__main__":

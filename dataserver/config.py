@@ -23,6 +23,7 @@ class ServeConfig:
     sweep_s: float = 0.2  # how often silence is checked
     heartbeat_udp_port: int = 0  # UDP heartbeats (daemons learn it from their HTTP heartbeat); 0 any free port, -1 off
     etcd: str | None = None  # etcd members (host:port,...): job records, coordination lease, dead nodes for the rendezvous
+    etcd_wait_s: float = 10.0  # how long etcd may not answer at start before the server refuses to start
     advertise_url: str | None = None  # how daemons and other data servers reach this one; default http://HOST:PORT
     log_level: str = "info"
 

@@ -107,7 +107,8 @@ class Etcd:
 
     # --- transport ---------------------------------------------------------------------------
     def _call(self, path: str, body: dict[str, Any], retry_s: float | None = None) -> dict[str, Any]:
-        deadline = time.monotonic() + (self.retry_s if retry_s is None else retry_s)
+        wait_s = self.retry_s if retry_s is None else retry_s
+        deadline = time.monotonic() + wait_s
         data = json.dumps(body).encode()
         last = "no attempt"
         delay = 0.02
@@ -133,7 +134,7 @@ class Etcd:
                         self._at = (at + 1) % len(self.endpoints)
             if time.monotonic() + delay > deadline:
                 raise EtcdUnavailable(
-                    f"no etcd member of {','.join(self.endpoints)} answered {path} within {self.retry_s:.0f}s "
+                    f"no etcd member of {','.join(self.endpoints)} answered {path} within {wait_s:g}s "
                     f"(last: {last}); check that a majority of the members run (etcdctl endpoint health --cluster)"
                 )
             time.sleep(delay)

@@ -3,12 +3,18 @@ failing over when the member it talks to is killed."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from dataserver.protocol.etcd import Etcd, EtcdUnavailable, parse_endpoints
 from ffplane_harness.etcd_cluster import EtcdCluster
+from tests._servers import TOKEN
 
 
 def test_compare_and_set_writes_only_over_the_revision_it_read(etcd: EtcdCluster) -> None:
@@ -64,3 +70,15 @@ def test_endpoints_are_parsed_or_refused_with_the_expected_form() -> None:
     for bad in ("", "host", "host:port", ","):
         with pytest.raises(ValueError, match="host:port"):
             parse_endpoints(bad)
+
+
+def test_a_data_server_whose_etcd_does_not_answer_at_start_refuses_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFPLANE_")} | {"FFPLANE_TOKEN": TOKEN}
+    argv = ["serve", "--data-dir", str(tmp_path), "--port", "0", "--etcd", nowhere, "--etcd-wait-s", "1", "--log-format", "text"]
+    r = subprocess.run([sys.executable, "-m", "dataserver", *argv], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("dataserver serve: error: --etcd") and f"http://{nowhere}" in line and "within 1s" in line, line
