@@ -3,7 +3,10 @@
 
 The coordinator knows the nodes, the ring, each job's restorable step and where every shard is;
 each live daemon's ops API adds its roles and versions, replicas, cache fill and link gate (asked
-in parallel, one second each: a daemon that does not answer is shown so, not waited for). Recent
+in parallel, one second each: a daemon that does not answer is shown so, not waited for). A daemon
+whose answer cannot be read (no answer, not JSON, NaN, not the shape a daemon answers) is
+``{"unreadable": reason}`` and everything else is shown as usual: one odd node must not take the
+whole view down (it answered 500). Recent
 failures (worker exits, nodes declared dead) come with their recovery: the time from the failure
 to the first commit of the job of a step newer than any committed before it, read from the
 daemons' kept versions (so a failure older than the three newest versions shows none).
@@ -12,14 +15,56 @@ daemons' kept versions (so a failure older than the three newest versions shows 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr, ValidationError
 
 __all__ = ["cluster_view"]
 
 _DAEMON_TIMEOUT_S = 1.0
 _FAILURES_SHOWN = 20
+_REASON_CHARS = 200
+
+
+class _Part(BaseModel):  # what the page, ffplane status and the failures below read; more is kept
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _Version(_Part):
+    step: StrictInt = Field(ge=0)
+    committed_at: FiniteFloat | None = None
+
+
+class _Role(_Part):
+    job: StrictStr
+    role: StrictStr
+    versions: list[_Version] = []
+
+
+class _Replica(_Part):
+    job: StrictStr
+    role: StrictStr
+    kind: StrictStr | None = None
+
+
+class _State(_Part):
+    roles: list[_Role] = []
+    replicas: list[_Replica] = []
+    slot_bytes: FiniteFloat = 0
+
+
+class _Cache(_Part):
+    bytes: FiniteFloat
+    budget_bytes: FiniteFloat
+
+
+class _Gate(_Part):
+    open: StrictBool | None = None
+
+
+_PARTS: dict[str, type[_Part]] = {"state": _State, "cache": _Cache, "gate": _Gate}
 
 
 async def cluster_view(coordinator: Any, jobs: list[str], leader: str) -> dict[str, Any]:
@@ -45,14 +90,35 @@ async def cluster_view(coordinator: Any, jobs: list[str], leader: str) -> dict[s
 
 
 async def _daemon(session: aiohttp.ClientSession, address: str) -> dict[str, Any]:
+    """The daemon's state, cache and gate, or ``{"unreadable": why}`` for the first part that
+    cannot be read as a daemon answers it."""
     out: dict[str, Any] = {}
-    for part in ("state", "cache", "gate"):
+    for part, model in _PARTS.items():
         try:
             async with session.get(f"{address}/v1/{part}") as resp:
-                out[part] = await resp.json() if resp.status == 200 else {"error": f"HTTP {resp.status}"}
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            out[part] = {"error": str(exc) or type(exc).__name__}
+                if resp.status != 200:
+                    return _unreadable(part, f"HTTP {resp.status}")
+                answer = await resp.json(loads=_strict_json)
+            model.model_validate(answer)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            return _unreadable(part, f"{'.'.join(map(str, first['loc'])) or 'the answer'}: {first['msg']}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError) as exc:
+            return _unreadable(part, str(exc) or type(exc).__name__)
+        out[part] = answer
     return out
+
+
+def _unreadable(part: str, why: str) -> dict[str, Any]:
+    return {"unreadable": f"/v1/{part}: {why}"[:_REASON_CHARS]}
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN would make this whole answer unencodable
+
+
+def _strict_json(text: str) -> Any:
+    return json.loads(text, parse_constant=_refuse_constant)
 
 
 def _job_summary(status: dict[str, Any]) -> dict[str, Any]:

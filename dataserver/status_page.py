@@ -47,13 +47,14 @@ function draw(c) {
   document.getElementById("meta").textContent = "coordinator " + c.leader + " \\u00b7 updated " + new Date().toLocaleTimeString();
   const nodes = Object.entries(c.members).map(([id, m]) => {
     const d = c.daemons[id] || {}, st = d.state || {}, cache = d.cache || {}, gate = d.gate || {};
-    const state = m.alive ? "alive" : (m.unreachable ? "unreachable" : "dead");
+    const state = m.alive ? (d.unreadable === undefined ? "alive" : "unreadable") : (m.unreachable ? "unreachable" : "dead");
+    const stateCell = state === "unreadable" ? "<span class=unreachable>unreadable</span><br><span class=muted>" + esc(d.unreadable) + "</span>" : "<span class=" + state + ">" + state + "</span>";
     const roles = (st.roles || []).map((r) => esc(r.job + "/" + r.role) + " @" + Math.max(...(r.versions || []).map((v) => v.step), -1)).join("<br>") || "<span class=muted>-</span>";
     const replicas = new Set((st.replicas || []).filter((r) => r.kind !== "incoming").map((r) => r.job + "/" + r.role)).size;
     const fill = cache.budget_bytes ? Math.min(100, 100 * (cache.bytes + (st.slot_bytes || 0)) / cache.budget_bytes) : 0;
     const cacheCell = cache.budget_bytes ? '<span class=bar><span style="width:' + fill.toFixed(0) + '%"></span></span>' + mib(cache.bytes) + " cache, " + mib(st.slot_bytes || 0) + " slots / " + mib(cache.budget_bytes) : "-";
     const gateCell = gate.open === undefined ? "-" : (gate.open ? "<span class=alive>open</span>" : "<span class=closed>closed: " + esc(gate.closed_because) + "</span>");
-    return row([esc(id), "<span class=" + state + ">" + state + "</span>", "<code>" + esc(m.address) + "</code>", roles, m.alive ? replicas : "-", cacheCell, gateCell]);
+    return row([esc(id), stateCell, "<code>" + esc(m.address) + "</code>", roles, m.alive && d.state ? replicas : "-", cacheCell, gateCell]);
   });
   document.querySelector("#nodes tbody").innerHTML = nodes.join("");
   document.getElementById("ring").innerHTML = c.ring.map((n) => "<li>" + esc(n) + "</li>").join("") || "<span class=muted>empty</span>";

@@ -156,6 +156,7 @@ def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
     """``GET /v1/cluster`` as tables: nodes (ring order), each job's roles, recent failures."""
     ring = c["ring"]
     rows = [("NODE", "STATE", "ADDRESS", "ROLES (newest step)", "REPLICAS", "CACHE", "GATE")]
+    unreadable: list[str] = []
     order = sorted(c["members"], key=lambda n: (n not in ring, ring.index(n) if n in ring else 0, n))
     for node in order:
         m, d = c["members"][node], c["daemons"].get(node, {})
@@ -169,8 +170,12 @@ def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
         used = f"{cache['bytes'] / 2**20:.0f}/{cache['budget_bytes'] / 2**20:.0f} MiB" if "bytes" in cache else "-"
         gate_s = ("open" if gate["open"] else f"closed: {gate.get('closed_because')}") if "open" in gate else "-"
         alive = "alive" if m["alive"] else ("unreachable" if m.get("unreachable") else "dead")
-        rows.append((node, alive, m["address"], roles or "-", str(replicas) if d else "-", used, gate_s))
+        if "unreadable" in d:  # its answer was odd: the reason goes below the table
+            alive, unreadable = "unreadable", [*unreadable, f"{node}: {d['unreadable']}"]
+        rows.append((node, alive, m["address"], roles or "-", str(replicas) if state else "-", used, gate_s))
     out = [f"coordinator {c['leader']}", _table(rows)]
+    if unreadable:
+        out += ["\nunreadable daemons (alive, but their answer could not be read)", *unreadable]
     for name, j in sorted(c["jobs"].items()):
         if only_job not in (None, name):
             continue

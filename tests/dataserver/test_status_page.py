@@ -85,10 +85,9 @@ def test_recovery_is_the_first_newer_commit_after_the_failure() -> None:
 NODE = shutil.which("node") or shutil.which("nodejs")
 
 
-def _page_script_with(leader: str) -> str:
-    """The page's own script run by Node against a follower's answer (421, ``leader`` in the
-    header): what it writes into the error line."""
-    import json
+def run_page_script(answer: str, element: str) -> str:
+    """The page's own script run by Node against ``answer`` (a JS expression for what ``fetch``
+    resolves to): the HTML it writes into ``element`` (an id, or a selector the script uses)."""
     import re
 
     from dataserver.status_page import STATUS_PAGE
@@ -100,13 +99,20 @@ const els = {{}};
 const el = (id) => (els[id] = els[id] || {{ innerHTML: "", textContent: "" }});
 globalThis.document = {{ getElementById: el, querySelector: el }};
 globalThis.setTimeout = () => {{}};
-globalThis.fetch = async () => ({{ status: 421, ok: false, headers: {{ get: () => {json.dumps(leader)} }} }});
+globalThis.fetch = async () => ({answer});
 {script.group(1)}
-setImmediate(() => process.stdout.write(els.error.innerHTML));
+setImmediate(() => process.stdout.write(els[{element!r}].innerHTML));
 """
     done = subprocess.run([NODE, "-e", harness], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
+
+
+def _page_script_with(leader: str) -> str:
+    """What the page says to a follower's answer (421, ``leader`` in the header)."""
+    import json
+
+    return run_page_script(f"{{ status: 421, ok: false, headers: {{ get: () => {json.dumps(leader)} }} }}", "error")
 
 
 @pytest.mark.skipif(NODE is None, reason="no Node.js to run the page's script")
