@@ -46,6 +46,7 @@ import tempfile
 import time
 import urllib.error
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -197,36 +198,18 @@ class Soak(LocalJobs):
         return hit
 
     def _damage_header_and_kill(self, pos: int, nodes: list[TorchrunNode]) -> float:
-        """One digit of the newest version's tree changed in the node's index while its daemon is
-        down (its workers frozen, so that version stays the newest), then a worker SIGKILLed: the
-        restore meets a header that no longer matches its digest and takes the replica. Only where
-        the replica has landed (else it is the only copy: a second fault, as in corrupt_copy)."""
-        d = self.placement[pos]
-        victim = self.worker_pid(f"n{d}", time.time() - 30, JOB)
-        frozen = [nodes[pos].popen.pid, *descendants(nodes[pos].popen.pid)]  # type: ignore[union-attr]
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            daemon = self.cluster.daemons[self._daemon_slot(d)]
-            roles = [r for r in self.get(daemon.url + "/v1/state")["roles"] if r["job"] == JOB and r["versions"]]
-            role = self.rng.choice(roles)
-            step = role["versions"][0]["step"]
-            replica = self.cluster.roots[self.placement[1 - pos]] / JOB / "replica" / role["role"] / f"{step:012d}.bin"
+        """``_damage_newest_and_kill`` where the damage is one digit of the newest version's tree
+        changed in the node's index while its daemon is down: the restore meets a header that no
+        longer matches its digest and takes the replica."""
+
+        def damage(d: int, daemon: Any, role: str, newest: dict[str, Any], replica: Path) -> None:
             daemon.kill()
-            damaged = replica.exists() and _faults.damage_tree(
-                self.cluster.roots[d] / "_index", version_key(JOB, role["role"], step), self.rng
-            )
-            self._note = {"header_damaged": damaged}
+            self._note = {
+                "header_damaged": _faults.damage_tree(self.cluster.roots[d] / "_index", version_key(JOB, role, newest["step"]), self.rng)
+            }
             self.start_daemon(d)
-            hit = time.time()
-            os.kill(victim, signal.SIGKILL)
-        finally:
-            for pid in frozen:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-        return hit
+
+        return self._damage_newest_and_kill(pos, nodes, damage)
 
     def _lose(self, nodes: list[TorchrunNode], pos: int) -> float:
         """Node ``pos`` is gone (torchrun, workers, daemon, shared memory); a replacement joins."""
@@ -331,13 +314,25 @@ class Soak(LocalJobs):
         self.start_daemon(d)
 
     def _corrupt_and_kill(self, pos: int, nodes: list[TorchrunNode]) -> float:
-        """Flip bytes in one copy of the newest committed version of a role on the node — its
-        slot, or half the time its replica on the other node (none if that has not landed
-        yet) — then SIGKILL a worker: the restore
-        that follows meets the damage. The node is frozen meanwhile, so the damaged version stays
-        the newest. One copy: corrupting every copy of a step is a second, independent fault (an
-        earlier run that did it half the time lost 2 steps where a worker had just finished the
-        next all-reduce)."""
+        """``_damage_newest_and_kill`` where the damage is bytes flipped in one copy: the slot, or
+        half the time the replica on the other node."""
+
+        def damage(d: int, daemon: Any, role: str, newest: dict[str, Any], replica: Path) -> None:
+            if self.rng.random() < 0.5:
+                _faults.flip(replica, newest["nbytes"] // 3)
+            else:
+                _faults.flip(self.cluster.roots[d] / newest["slot"], newest["nbytes"] // 2)
+
+        return self._damage_newest_and_kill(pos, nodes, damage)
+
+    def _damage_newest_and_kill(self, pos: int, nodes: list[TorchrunNode], damage: Callable[..., None]) -> float:
+        """Damage one copy of the newest committed version of a role on the node (``damage(node,
+        daemon, role, version, replica path)``), then SIGKILL a worker: the restore that follows
+        meets the damage. The node is frozen meanwhile, so the damaged version stays the newest.
+        One copy, and only where its replica has landed: a version whose commit is still
+        unanswered has one copy, and damaging it — like damaging every copy of a step — is a
+        second, independent fault (an earlier run that did it half the time lost 2 steps where a
+        worker had just finished the next all-reduce)."""
         d = self.placement[pos]
         victim = self.worker_pid(f"n{d}", time.time() - 30, JOB)
         frozen = [nodes[pos].popen.pid, *descendants(nodes[pos].popen.pid)]  # type: ignore[union-attr]
@@ -349,13 +344,8 @@ class Soak(LocalJobs):
             role = self.rng.choice(roles)
             newest = role["versions"][0]
             replica = self.cluster.roots[self.placement[1 - pos]] / JOB / "replica" / role["role"] / f"{newest['step']:012d}.bin"
-            # one copy of two: a version whose replica has not landed yet (its commit is still
-            # unanswered) has one copy only, and damaging it is the second fault described above
             if replica.exists():
-                if self.rng.random() < 0.5:
-                    _faults.flip(replica, newest["nbytes"] // 3)
-                else:
-                    _faults.flip(self.cluster.roots[d] / newest["slot"], newest["nbytes"] // 2)
+                damage(d, daemon, role["role"], newest, replica)
             hit = time.time()
             os.kill(victim, signal.SIGKILL)
         finally:

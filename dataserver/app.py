@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, with_config
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from typing_extensions import NotRequired, TypedDict
 
-from dataserver.catalog import NAME_PATTERN, Catalog, DatasetError
+from dataserver.catalog import Catalog, DatasetError
 from dataserver.cluster_view import cluster_view
 from dataserver.config import ServeConfig
 from dataserver.coordinator import (
@@ -60,7 +60,7 @@ from dataserver.leadership import Leadership
 from dataserver.planner import Generation, Planner
 from dataserver.protocol.auth import load_token
 from dataserver.protocol.etcd import ALIVE_KEY, Etcd, EtcdUnavailable
-from dataserver.protocol.limits import MAX_COUNT, STEP_LIMIT
+from dataserver.protocol.limits import MAX_COUNT, NAME_PATTERN, STEP_LIMIT
 from dataserver.protocol.servers import LEADER_HEADER
 from dataserver.protocol.settings import version
 from dataserver.shared_jobs import EtcdJobRegistry

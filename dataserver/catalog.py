@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import abc
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from dataserver.protocol.limits import NAME_PATTERN  # dataset (folder) names the server serves
+from dataserver.protocol.limits import is_name  # dataset (folder) names the server serves
 
 SAMPLE_INDEX_COLUMN = "_sample_index"
-_NAME = re.compile(NAME_PATTERN)
 
 
 class DatasetError(Exception):
@@ -110,7 +108,7 @@ class Catalog:
     def get(self, name: str) -> Dataset:
         ds = self._open.get(name)
         if ds is None:
-            if not _NAME.match(name) or not (self.root / name).is_dir():
+            if not is_name(name) or not (self.root / name).is_dir():
                 raise KeyError(f"unknown dataset {name[:140]!r}; known: {self.names()}")
             ds = open_dataset(self.root / name, name)
             self._open[name] = ds

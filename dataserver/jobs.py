@@ -20,20 +20,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dataserver.catalog import NAME_PATTERN
 from dataserver.planner import Generation, Planner
-from dataserver.protocol.limits import STEP_LIMIT
+from dataserver.protocol.limits import NAME_PATTERN, STEP_LIMIT, is_name
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(NAME_PATTERN)
 SEED_LIMIT = 1 << 64  # a seed is any unsigned 64-bit integer
 LAYOUT_LIMIT = 1 << 20  # dp and batch_per_rank are at most this; their product is bounded by config
 _SPEC_KEYS = {"name", "dataset", "dp", "batch_per_rank", "seed", "max_steps", "generations"}
@@ -68,9 +65,9 @@ class JobSpec:
     generations: list[Generation] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not is_name(self.name):
             raise JobError(f"job name {self.name!r} must match {NAME_PATTERN}")
-        if not isinstance(self.dataset, str) or not _NAME.match(self.dataset):
+        if not is_name(self.dataset):
             raise JobError(f"dataset name {self.dataset!r} must match {NAME_PATTERN}")
         _int(self.dp, "dp", 1, LAYOUT_LIMIT + 1)
         _int(self.batch_per_rank, "batch_per_rank", 1, LAYOUT_LIMIT + 1)

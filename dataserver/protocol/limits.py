@@ -17,6 +17,8 @@ STEP_LIMIT = 1 << 53
 MAX_STEP = STEP_LIMIT - 1
 # Steps one batch request may ask for: the schema's bound; --max-steps-per-request is at most this.
 MAX_COUNT = 1 << 16
+# A byte size or offset of a shard, from a peer: what a signed 64-bit file offset can address.
+MAX_BYTES = (1 << 63) - 1
 # Job, role and dataset names: no path separators, no leading dot, and short enough to be a file
 # name everywhere (a 256-character name made the file system answer ENAMETOOLONG).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
@@ -32,9 +34,14 @@ def check_step(value: object) -> int:
     return value
 
 
+def is_name(value: object) -> bool:
+    """Whether ``value`` is a job, role or dataset name."""
+    return isinstance(value, str) and _NAME.match(value) is not None
+
+
 def check_name(value: object) -> str:
     """``value`` as a job, role or dataset name, or ValueError naming the rule."""
     name = str(value)
-    if not _NAME.match(name):
+    if not is_name(name):
         raise ValueError(f"invalid name {name!r}: names must match {NAME_PATTERN}")
     return name

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dataserver.protocol.limits import MAX_STEP
+
 __all__ = [
     "CONFIG_ENV",
     "ConfigError",
@@ -93,7 +95,7 @@ class Number:
         return value
 
 
-_INT_MAX = (1 << 53) - 1  # exact in every JSON reader
+_INT_MAX = MAX_STEP  # a count is exact in every JSON reader, as a step is
 _SECONDS_MAX = 365 * 86400.0
 port = Number(int, 0, 65535)  # 0: the system picks one
 port_or_off = Number(int, -1, 65535)  # -1: none

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from dataserver.protocol.errors import FFPlaneError, error_from, kind_of
-from statestore.protocol.names import check_name, check_step
+from dataserver.protocol.limits import check_name, check_step
 from statestore.protocol.shard import check_header
 
 MAX_LINE = 64 << 20  # a commit carries the shard header (one entry per tensor)

@@ -46,11 +46,17 @@ def header_digest(header: dict[str, Any], static: str = "") -> str:
     """The digest of a whole header, which the daemon records beside the bytes' checksum at commit
     and every holder checks wherever it checks the bytes (a tree changed at rest is a corrupt copy,
     routed around as one). ``static``: the static part's digest where the caller holds it checked
-    already (then only the per-step part is serialised: the per-commit cost is the tree's)."""
-    per_step = {k: header[k] for k in PER_STEP if k in header}
+    already; then the per-commit cost is hashing the tree's text as it is (not re-serialised:
+    escaping a 150 KB tree cost 0.36 ms a commit)."""
     if not static:
         static = static_digest({k: v for k, v in header.items() if k not in PER_STEP})
-    return xxhash.xxh3_64_hexdigest(f"{static}\n{json.dumps(per_step, sort_keys=True, separators=(',', ':'))}".encode())
+    h = xxhash.xxh3_64(static.encode())
+    for key in PER_STEP:
+        if key in header:
+            value = header[key]
+            h.update(f"\n{key}\n".encode())
+            h.update(value.encode() if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":")).encode())
+    return h.hexdigest()
 
 
 def header_intact(header: dict[str, Any], digest: str) -> bool:

@@ -85,13 +85,11 @@ class BulkServer:
             "bulk_closed": dict(self.closed),
         }
 
-    def admit(self, conn: _Receiver) -> bool:
+    def admit(self, conn: _Receiver) -> None:
         """A new connection: held as unauthenticated, closing the oldest such one if too many are."""
         if len(self.preauth) >= PREAUTH_CONNECTIONS:
-            oldest = next(iter(self.preauth))
-            oldest.expire("evicted")
+            next(iter(self.preauth)).expire("evicted")
         self.preauth[conn] = None
-        return True
 
     def authenticated(self, conn: _Receiver) -> bool:
         self.preauth.pop(conn, None)
@@ -133,7 +131,7 @@ class _Receiver(asyncio.BufferedProtocol):
     def __init__(self, server: BulkServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
-        self._loop = asyncio.get_event_loop()
+        self._loop = asyncio.get_running_loop()  # made by the server's protocol factory, on its loop
         self._authed = False
         self._head_buf = bytearray(HEAD_SIZE)
         self._filled = 0  # bytes of the head, or of the metadata, read so far

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from statestore.protocol.names import MAX_STEP, check_name, check_step
+from dataserver.protocol.limits import MAX_BYTES, MAX_STEP, check_name, check_step
 from statestore.protocol.shard import META_LIMIT, check_header
 
 MAGIC = b"FFPB"
@@ -30,7 +30,6 @@ _HEAD = struct.Struct("<4sHHIQQ")
 _REPLY = struct.Struct("<HI")
 HEAD_SIZE = _HEAD.size
 REPLY_HEAD_SIZE = _REPLY.size
-_MAX_OFFSET = (1 << 63) - 1
 
 
 class Op(IntEnum):
@@ -66,7 +65,7 @@ class BulkHead:
             raise BulkFrameError(f"unknown bulk op {op}") from None
         if meta_len > (HELLO_LIMIT if kind == Op.HELLO else META_LIMIT):
             raise BulkFrameError(f"metadata of {meta_len} bytes announced; at most {HELLO_LIMIT if kind == Op.HELLO else META_LIMIT}")
-        if offset > _MAX_OFFSET or length > _MAX_OFFSET - offset:
+        if offset > MAX_BYTES or length > MAX_BYTES - offset:
             raise BulkFrameError(f"a range of {length} bytes at {offset} is past any shard")
         if kind != Op.PUSH and (length or offset):
             raise BulkFrameError(f"a {kind.name.lower()} carries no bytes")
@@ -117,7 +116,7 @@ class BulkMeta:
         newest = d.get("newest")
         if newest is not None and (type(newest) is not int or not 0 <= newest <= MAX_STEP):
             raise ValueError(f"bulk metadata 'newest' must be a step or null, got {newest!r}")
-        if not 0 <= d["nbytes"] <= _MAX_OFFSET or not 0 < len(d["checksum"]) <= 128 or len(d["source"]) > 256:
+        if not 0 <= d["nbytes"] <= MAX_BYTES or not 0 < len(d["checksum"]) <= 128 or len(d["source"]) > 256:
             raise ValueError("bulk metadata has an impossible size, checksum or source")
         static, static_header = d.get("static", ""), d.get("static_header")
         if type(static) is not str or len(static) > 128 or not (static_header is None or type(static_header) is dict):

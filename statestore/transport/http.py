@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dataserver.httpserver import BearerAuth
 from dataserver.protocol.auth import bearer
 from dataserver.protocol.errors import CorruptError, FFPlaneError, TransferOrderError
+from dataserver.protocol.limits import MAX_BYTES, MAX_STEP, NAME_PATTERN, check_name, check_step
 from statestore.link_gate import LinkGate, Priority
-from statestore.protocol.names import MAX_STEP, NAME_PATTERN, check_name, check_step
 from statestore.protocol.shard import META_LIMIT, check_header, header_intact
 from statestore.replicas import Replica, ReplicaStore
 from statestore.shard import LocalShard, find_local
@@ -229,13 +229,12 @@ class HttpTransport(Transport):
 
 
 # --- the server: the peer routes, their parameters and answers (the OpenAPI spec is fuzzed) ------
-MAX_INT64 = (1 << 63) - 1
 
 
 JobName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="the job's name")]
 RoleName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="a role: dp<r>-pp<r>-tp<r>")]
 Step = Annotated[int, PathParam(ge=0, le=MAX_STEP, description="the optimizer step the shard was saved at")]
-Offset = Annotated[int, Query(ge=0, le=MAX_INT64, description="byte offset in the shard")]
+Offset = Annotated[int, Query(ge=0, le=MAX_BYTES, description="byte offset in the shard")]
 Newest = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="the sender's newest committed step of the role")]
 
 
@@ -255,7 +254,7 @@ class ReplicaMeta(BaseModel):
 
     model_config = ConfigDict(strict=True)
 
-    nbytes: int = Field(ge=0, le=MAX_INT64)
+    nbytes: int = Field(ge=0, le=MAX_BYTES)
     checksum: str = Field(min_length=1, max_length=128)
     header: dict[str, Any]
     source: str = Field(max_length=256)
@@ -367,7 +366,7 @@ def peer_routes(
         responses={200: _BYTES_REPLY, **_errors(401, 404, 409, 416, 422, 503)},
     )
     async def shard(
-        job: JobName, role: RoleName, step: Step, offset: Offset = 0, length: Annotated[int | None, Query(ge=0, le=MAX_INT64)] = None
+        job: JobName, role: RoleName, step: Step, offset: Offset = 0, length: Annotated[int | None, Query(ge=0, le=MAX_BYTES)] = None
     ) -> Response:
         """The raw bytes of a shard held here, or ``length`` of them from ``offset`` (peer API)."""
         held = _held(job, role, step)

@@ -79,7 +79,9 @@ def test_a_flood_before_the_token_costs_the_receiver_nothing_and_the_job_goes_on
                 ck.save(step, {"w": torch.full((1 << 16,), float(step))})
             ck.wait()
             until(lambda: any(r["step"] == 5 and r["kind"] == "replica" for r in daemon_state(c, 1)["replicas"]), what="step 5's replica")
-            restored = Checkpointer("job", socket_path=c.socket(0)).restore()
+            reader = Checkpointer("job", socket_path=c.socket(0))
+            restored = reader.restore()
+            reader.close()
             assert restored is not None and restored.step == 5 and torch.equal(restored.state["w"], torch.full((1 << 16,), 5.0))
         finally:
             ck.close()
@@ -184,5 +186,7 @@ def test_a_receiver_with_a_full_tmpfs_says_so_at_once_and_keeps_the_connection(c
         ck.close()
     rep = until(lambda: (r := daemon_state(cluster, 0)["replication"])["refused_for_room"] >= 1 and r, what="the refusal counted")
     assert "no room" in (rep["last_error"] or "")
+    # the waiting commit was answered on the refusal, not after the replica bound ran out
+    assert "the successor has no room for the replica; answering the commit without it" in cluster.daemons[0].log()
     metrics = httpx.get(cluster.daemons[0].url + "/metrics").text
     assert "ffplane_replication_refused_for_room" in metrics
