@@ -133,11 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "0",
             )
             procs["a"] = c.start_daemon(*gate, *extra, budget_mb=int(budget), index=0)
-            deadline = time.monotonic() + 30
-            while httpx.get(procs["a"].url + "/v1/state").json()["coordinator"].get("successor") != "n1":
-                if time.monotonic() > deadline:
-                    raise SystemExit("A never learned its successor")
-                time.sleep(0.1)
+            c.until_successor(len(c.daemons) - 1, "n1")
             saver = _traffic(net, 1, "saver", str(c.socket(0)), "bench", str(args.state_mb))
             assert saver.stdout is not None and saver.stdout.readline().strip() == "ready"
             time.sleep(1.0)  # replication under way

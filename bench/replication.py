@@ -93,11 +93,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in range(3):
             c.start_daemon("--gate-chunk-kb", str(args.chunk_kb), budget_mb=budget)
         assert c.dataserver is not None
-        deadline = time.monotonic() + 30
-        while len(httpx.get(c.dataserver.url + "/v1/nodes").json()["ring"]) < 3 or _state(c, 0)["coordinator"].get("successor") != "n1":
-            if time.monotonic() > deadline:
-                raise SystemExit("the three daemons did not form a ring")
-            time.sleep(0.1)
+        for i, successor in enumerate(("n1", "n2", "n0")):  # the three in one ring, each knowing it
+            c.until_successor(i, successor)
 
         figures["raw_tcp_gbps"] = repeat(lambda: raw_tcp_gbps(net, 1, 2, args.mb), args.repeats)
 

@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cluster.start_dataserver("--log-level", "warning")
             daemons = [cluster.start_daemon(*daemon_args, budget_mb=budget) for _ in range(2)]
             pids = (daemons[0].pid, daemons[1].pid)
+            cluster.until_successor(0, "n1")  # else the first saves go unreplicated (receiver_ms 0, seen under load)
             step = 0
             for case in cases:
                 ck = Checkpointer(f"save-cpu-{case}", socket_path=cluster.socket(0), copy_threads=args.copy_threads)

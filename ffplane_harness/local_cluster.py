@@ -229,6 +229,18 @@ class LocalCluster:
     def socket(self, i: int = 0) -> Path:
         return self.roots[i] / SOCKET_NAME
 
+    def until_successor(self, i: int, successor: str, timeout_s: float = 30.0) -> None:
+        """Wait until daemon ``i`` knows ``successor`` as its ring successor: commits before that
+        are answered without a replica (a benchmark measuring replication must not start earlier)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with urllib.request.urlopen(self.daemons[i].url + "/v1/state", timeout=5) as resp:
+                if json.loads(resp.read())["coordinator"].get("successor") == successor:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"daemon {i} did not learn its ring successor {successor} within {timeout_s:.0f} s")
+            time.sleep(0.1)
+
     def worker_argv(self, i: int, argv: list[str]) -> list[str]:
         """``argv`` placed on daemon ``i``'s node."""
         wrap = self._place(i + 1 if self.net else 0)[1]
