@@ -476,6 +476,7 @@ class Coordinator:
     def status(self, job: str) -> dict[str, Any]:
         """Members, ring, dead nodes, where each role's shards are, and the restorable step."""
         locations: dict[str, dict[int, list[str]]] = {}
+        anywhere: dict[str, set[int]] = {}  # alive or dead: had the job a whole step at all?
         layouts = Layouts()  # a dead node's copy still names its step's layout
         for m in self.members.values():
             for role, versions in m.inventory.get(job, {}).items():
@@ -487,6 +488,7 @@ class Coordinator:
                         continue
                     if m.alive and not m.unreachable:  # nobody can pull from an unreachable node
                         locations.setdefault(role, {}).setdefault(step, []).append(m.node_id)
+                    anywhere.setdefault(role, set()).add(step)
                     layouts.add(step, peers)
         restorable = restorable_step(locations, layouts)
         return {
@@ -505,6 +507,9 @@ class Coordinator:
             "ring": self.ring(),
             "dead": self.dead(),
             "restorable_step": restorable,
+            # None: no step of the job was ever committed by every role on the members known here
+            # (a first step some ranks never reached), so a restore with nothing whole starts fresh
+            "whole_step_anywhere": restorable_step(anywhere, layouts),
             "roles": sorted(set().union(*layouts.roles.values())),
             "layouts": {str(s): sorted(roles) for s, roles in sorted(layouts.roles.items())},
             "shard_locations": {r: {str(s): nodes for s, nodes in sorted(steps.items())} for r, steps in sorted(locations.items())},

@@ -292,6 +292,7 @@ def create_app(daemon: Daemon) -> FastAPI:
             "replicas": daemon.state.replicas.describe(),
             "replication": daemon.state.replicator.describe() if daemon.state.replicator else None,
             "pulled_bytes": daemon.state.pulled_bytes,
+            "restores_behind": daemon.state.restores_behind,
             "commit_parts": slots.commit_parts.describe(),
             "replica_parts": replicas.finish_parts.describe(),
             "transfer": {

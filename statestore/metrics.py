@@ -99,6 +99,9 @@ class _LinkCollector:
         yield CounterMetricFamily(
             "ffplane_restore_pulled_bytes", "Shard bytes pulled from peers for restores", value=self.state.pulled_bytes
         )
+        yield CounterMetricFamily(
+            "ffplane_restores_behind", "Restores that went more than one step behind the newest copy", value=self.state.restores_behind
+        )
         r = self.state.replicator
         if r is None:
             return

@@ -71,11 +71,13 @@ class StateService:
         self.transport, self.replicator, self.gate = transport, replicator, gate
         self.dataservers, self.token = dataservers, token
         self._corrupt = corrupt
+        self._fresh_said: set[str] = set()  # jobs whose partial first commit was logged
         self._pinned: dict[str, int] = {}  # slot path → durable writes in progress
         self._tasks: set[asyncio.Task[None]] = set()
         self._durable_pool = ThreadPoolExecutor(1, thread_name_prefix="ffplane-durable")
         self.durable_written = 0
         self.pulled_bytes = 0
+        self.restores_behind = 0  # job-wide restores that went more than one step back
         self._pulls: dict[tuple[str, str, int], asyncio.Future[LocalShard]] = {}
         self.latencies = latencies or Latencies()
 
@@ -237,25 +239,7 @@ class StateService:
                 )
                 continue
             newest_copy = max((s for steps in anywhere.values() for s in steps), default=chosen)
-            if chosen < newest_copy - 1 and step is None:
-                # more than the one step a failure may cost (some roles commit a step the others
-                # did not reach): say which roles lack the newer steps, and where the copies are
-                log.warning(
-                    "restoring more than one step back: the newer steps miss some role's copy on a live node",
-                    extra={
-                        "job": job,
-                        "step": chosen,
-                        "newest": newest_copy,
-                        "missing": {
-                            s: sorted(r for r in layouts.of(s) if s not in anywhere.get(r, set()))
-                            for s in sorted(layouts.roles)[-4:]
-                            if s > chosen
-                        },
-                        "where": {
-                            r: {s: where.get(r, {}).get(s, []) for s in sorted(anywhere.get(r, set()))[-4:]} for r in sorted(anywhere)
-                        },
-                    },
-                )
+            behind = self._behind(job, chosen, newest_copy, layouts, anywhere, where) if step is None else ""
             kinds = {g["kind"] == "durable" for g in got}
             source = "durable" if kinds == {True} else "memory" if kinds == {False} else "memory+durable"
             reply: dict[str, Any] = {
@@ -269,6 +253,8 @@ class StateService:
                 reply["message"] = (
                     f"restoring step {chosen}: {', '.join(disk)} from the durable tier {self.durable.directory} (no intact copy in memory on a live node)"
                 )
+            if behind:
+                reply["message"] = f"{reply['message']}; {behind}" if reply.get("message") else behind
             return reply
         if corrupt:
             return {
@@ -292,11 +278,60 @@ class StateService:
         newest = layouts.of(max(layouts.roles)) if layouts.roles else set()
         lost = sorted(r for r in newest if not have.get(r))
         dead = status.get("dead", [])
+        held = {s for steps in have.values() for s in steps}
+        if status.get("whole_step_anywhere", -1) is None and len(held) == 1:
+            # the job's first commit, made by some roles only (a rank failed before it): there was
+            # never anything to restore, so the job starts fresh, on every node alike
+            if job not in self._fresh_said:
+                self._fresh_said.add(job)
+                log.warning(
+                    "job %r: step %d was committed by %s only (never by %s) and no step of the job was ever committed by "
+                    "every role: nothing to restore, the job starts fresh",
+                    job,
+                    min(held),
+                    ", ".join(sorted(r for r in have if have[r])),
+                    ", ".join(lost),
+                    extra={"job": job, "step": min(held)},
+                )
+            return await self._durable(job, "", step)
         reason = (
             f"no step of job {job!r} has every role in memory on a live node (roles without any copy: {lost or 'none'}; "
             f"dead nodes: {dead}); a node and its ring successor were probably lost together"
         )
         return await self._durable(job, reason, step)
+
+    def _behind(
+        self,
+        job: str,
+        chosen: int,
+        newest: int,
+        layouts: Layouts,
+        anywhere: dict[str, set[int]],
+        where: dict[str, dict[int, list[str]]],
+    ) -> str:
+        """Say loudly (an error line, the reply's message, a metric) when a restore goes back more
+        than the one step a failure may cost, naming the roles the newer steps miss; "" otherwise."""
+        if chosen >= newest - 1:
+            return ""
+        missing = {s: sorted(r for r in layouts.of(s) if s not in anywhere.get(r, set())) for s in sorted(layouts.roles) if s > chosen}
+        lacking = sorted({r for roles in missing.values() for r in roles})
+        self.restores_behind += 1
+        text = (
+            f"job {job!r} restores step {chosen}, {newest - chosen} steps behind its newest copy (step {newest}): "
+            f"no intact copy on a live node of {', '.join(lacking) or 'some role'} for steps {chosen + 1}..{newest}"
+        )
+        log.error(
+            "%s",
+            text,
+            extra={
+                "job": job,
+                "step": chosen,
+                "newest": newest,
+                "missing": {s: r for s, r in list(missing.items())[-4:]},
+                "where": {r: {s: where.get(r, {}).get(s, []) for s in sorted(anywhere.get(r, set()))[-4:]} for r in sorted(anywhere)},
+            },
+        )
+        return text
 
     async def _copy_of(self, job: str, role: str, step: int, holders: list[str], alive: dict[str, str], on_disk: bool) -> dict[str, Any]:
         """A copy of ``role``'s shard of ``step`` to restore from: this node's, else one pulled

@@ -306,3 +306,38 @@ def _restorable_reply(c: LocalCluster, node: int, role: str) -> dict[str, Any]:
         return dict(client.call(Restorable("job", verify=False, roles=[role])).__dict__)
     finally:
         client.close()
+
+
+def test_a_first_step_committed_by_some_roles_only_is_a_fresh_start_on_every_node(cluster: LocalCluster) -> None:
+    """Rank 0 failed before its first commit; rank 1 committed step 0. Nothing was ever
+    restorable, so every rank starts fresh (it used to be refused on the node that had to ask the
+    coordinator — "a node and its ring successor were probably lost together" — while a
+    one-daemon setup started fresh), and the restarted job then saves and restores as usual."""
+    start_ring(cluster, 2)
+    _save(cluster, 1, 1, range(0, 1), dp=2)
+    until(lambda: _held(cluster, "dp1-pp0-tp0", 0) == ["n0", "n1"], what="step 0 of role 1 replicated")
+    for node, rank in ((0, 0), (1, 1)):
+        ck = Checkpointer("job", Layout(dp=2, dp_rank=rank), socket_path=cluster.socket(node))
+        assert ck.restore() is None  # before: NotFoundError on n0
+        ck.close()
+    _save(cluster, 0, 0, range(0, 3), dp=2)
+    _save(cluster, 1, 1, range(0, 3), dp=2)
+    until(lambda: _status(cluster)["restorable_step"] == 2, what="step 2 restorable")
+    got = Checkpointer("job", Layout(dp=2, dp_rank=1), socket_path=cluster.socket(0)).restore()
+    assert got is not None and got.step == 2 and torch.equal(got.state["w"], _state(2, 0)["w"])
+    logs = cluster.daemons[0].log()
+    assert logs.count("nothing to restore, the job starts fresh") == 1, logs[-3000:]
+
+
+def test_a_restore_more_than_one_step_back_says_so_naming_the_roles_and_steps(cluster: LocalCluster) -> None:
+    start_ring(cluster, 2)
+    _save(cluster, 0, 0, range(1, 5), dp=2)  # role 0 reached step 4 (and keeps 2..4), role 1 only step 2
+    _save(cluster, 1, 1, range(1, 3), dp=2)
+    until(lambda: "n1" in _held(cluster, "dp0-pp0-tp0", 4) and "n0" in _held(cluster, "dp1-pp0-tp0", 2), what="both roles replicated")
+    reply = _restorable_reply(cluster, 0, "dp0-pp0-tp0")
+    assert reply["step"] == 2
+    assert "2 steps behind its newest copy (step 4)" in reply["message"] and "dp1-pp0-tp0" in reply["message"], reply["message"]
+    assert "steps 3..4" in reply["message"] and "dp0-pp0-tp0" not in reply["message"].split(": ", 1)[1]
+    assert daemon_state(cluster, 0)["restores_behind"] == 1
+    metrics = httpx.get(cluster.daemons[0].url + "/metrics").text
+    assert "ffplane_restores_behind_total 1.0" in metrics
