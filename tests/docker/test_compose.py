@@ -50,7 +50,14 @@ def _mounts(service: dict[str, Any]) -> dict[str, str]:
 
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)(?::[?-][^}]*)?\}", lambda m: env[m.group(1)], value)
+    """``${NAME}``, ``${NAME:?error}`` and ``${NAME:-default}`` as Compose fills them in."""
+
+    def fill(m: re.Match[str]) -> str:
+        if m.group(1) in env or not m.group(2).startswith(":-"):
+            return env[m.group(1)]
+        return m.group(2)[2:]
+
+    return re.sub(r"\$\{(\w+)((?::[?-][^}]*)?)\}", fill, value)
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed (.ci/run installs Debian's)")
@@ -66,6 +73,65 @@ def test_compose_reads_the_file_as_shipped() -> None:
     resolved = yaml.safe_load(done.stdout)
     assert set(resolved["services"]) == set(_compose()["services"])
     assert all(svc["environment"]["FFPLANE_TOKEN"] == TOKEN for svc in resolved["services"].values())
+    assert {n: s.get("restart") for n, s in resolved["services"].items()} == RESTART
+    (build,) = [s["build"] for s in resolved["services"].values() if "build" in s]
+    assert build["args"]["TORCH_INDEX_URL"] == _dockerfile_torch_index()  # unset: the Dockerfile's own default
+    mirror = "https://mirror.example/whl/cpu"
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**env, "FFPLANE_TOKEN": TOKEN, "TORCH_INDEX_URL": mirror}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (build,) = [s["build"] for s in yaml.safe_load(done.stdout)["services"].values() if "build" in s]
+    assert build["args"]["TORCH_INDEX_URL"] == mirror  # a site with a mirror builds the image
+
+
+# A server that crashed is started again; a trainer's torchrun restarts failed workers, and the
+# trainer itself is started again while it has not ended the job (exit 0). One-shot services none.
+RESTART = {
+    "dataset": None,
+    "job": None,
+    "dataserver": "unless-stopped",
+    "node0": "unless-stopped",
+    "node1": "unless-stopped",
+    "trainer0": "on-failure",
+    "trainer1": "on-failure",
+}
+
+
+def _dockerfile_torch_index() -> str:
+    """The Dockerfile's default TORCH_INDEX_URL, its ${TORCH_INDEX} filled in."""
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S*)$", dockerfile, re.MULTILINE))
+    assert '--index-url "${TORCH_INDEX_URL}"' in dockerfile, "torch must come from TORCH_INDEX_URL"
+    return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], args["TORCH_INDEX_URL"])
+
+
+def test_the_compose_file_survives_a_crash_builds_once_and_advertises_a_reachable_url() -> None:
+    """Issue 39: a daemon that crashed stayed down, both trainers exited and nothing started
+    them again; every service built the image; the torch index was fixed in the Dockerfile; the
+    data server advertised http://0.0.0.0:8470."""
+    services = _compose()["services"]
+    assert {n: s.get("restart") for n, s in services.items()} == RESTART
+    for name, s in services.items():
+        argv = [str(a) for a in s["command"]]
+        if argv[0] == "torchrun":  # a worker that fails is restarted by torchrun, warm
+            assert int(argv[argv.index("--max-restarts") + 1]) >= 3, name
+            assert argv[argv.index("-m") + 1] == "trainer_client.warm_start", name
+            assert s["environment"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1", f"{name}: a fresh rendezvous store per round"
+    # one build: the others run its image and never pull it (Compose would try a registry)
+    builders = [n for n, s in services.items() if "build" in s]
+    assert len(builders) == 1, f"{builders} build the image"
+    assert {s["image"] for s in services.values()} == {"ffplane:cpu"}
+    assert all(s.get("pull_policy") == "never" for n, s in services.items() if n not in builders)
+    args = services[builders[0]]["build"]["args"]
+    assert _interpolate(args["TORCH_INDEX_URL"], {}) == _dockerfile_torch_index()
+    # the coordinator names a URL the other services reach
+    ds = [str(a) for a in services["dataserver"]["command"]]
+    url = ds[ds.index("--advertise-url") + 1]
+    assert url == f"http://dataserver:{ds[ds.index('--port') + 1]}"
+    for name, s in services.items():
+        argv = [str(a) for a in s["command"]]
+        assert s["environment"]["FFPLANE_DATASERVER"] == url, name
+        if "--dataserver" in argv:
+            assert argv[argv.index("--dataserver") + 1] == url, name
 
 
 def test_the_compose_file_is_consistent() -> None:
@@ -103,6 +169,7 @@ def test_the_compose_file_is_consistent() -> None:
 @pytest.mark.timeout(600)
 def test_the_compose_services_run_as_processes(tmp_path: Path) -> None:
     from ffplane_harness.netns import Netns, available
+    from trainer_client.warm_start import stop
 
     if available():
         pytest.skip(str(available()))
@@ -117,6 +184,10 @@ def test_the_compose_services_run_as_processes(tmp_path: Path) -> None:
         for vol, spec in c["volumes"].items()
     }
     procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def warm_dir(name: str) -> Path:  # the zygote's socket: in the container's own /dev/shm
+        return Path("/dev/shm") / f"ffp-compose-{tag}-{name}-warm"
+
     net = Netns(len(services), rate=None)
     etc = [Path("/etc/netns") / node.ns for node in net.nodes]
     try:
@@ -144,6 +215,7 @@ def test_the_compose_services_run_as_processes(tmp_path: Path) -> None:
                 return value
 
             env = base_env | {k: local(_interpolate(str(v), base_env)) for k, v in s.get("environment", {}).items()}
+            env["FFPLANE_WARM_DIR"] = str(warm_dir(name))
             argv = [local(str(a)) for a in s["command"]]
             for dep in s.get("depends_on", {}):
                 if dep in procs and services[dep].get("healthcheck", {}).get("disable"):
@@ -169,6 +241,8 @@ def test_the_compose_services_run_as_processes(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait()
+        for name in services:  # a trainer's zygote, in a session of its own
+            stop(warm_dir(name))
         net.close()
         for d in etc:
             shutil.rmtree(d, ignore_errors=True)
