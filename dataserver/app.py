@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar, cast
+from typing import Annotated, Any, TypeVar
 
 import aiohttp
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request, Response
@@ -30,9 +30,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, with_config
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from typing_extensions import NotRequired, TypedDict
 
 from dataserver.catalog import Catalog, DatasetError
 from dataserver.cluster_view import cluster_view
@@ -81,10 +80,8 @@ _ADMIT_ATTEMPTS = 4  # a request re-checked this often when other servers keep c
 _NAME_LEN = 128
 _PROBE_S = 1.5  # how long the coordinator waits for a reported node's health check
 _REPROBE_S = 2.0  # how often unreachable members are checked again
-_ROLE_LIMIT = 1 << 20  # roles a layout may have (dp x pp x tp), as listed in an inventory entry
 
 Name = Annotated[str, Field(min_length=1, max_length=_NAME_LEN, pattern=NAME_PATTERN)]
-ShortStr = Annotated[str, Field(min_length=1, max_length=_NAME_LEN)]
 PathName = Annotated[str, Path(min_length=1, max_length=_NAME_LEN, pattern=NAME_PATTERN, description="a job or dataset name")]
 DpRank = Annotated[int, Query(ge=0, lt=LAYOUT_LIMIT)]
 Step = Annotated[int, Query(ge=0, lt=STEP_LIMIT)]
@@ -153,26 +150,6 @@ class UdpSession(_Strict):
     inv_version: int = Field(ge=0, lt=1 << 64)  # the version of the inventory in this heartbeat
 
 
-# TypedDicts, not models: validated as strictly, but they stay the dicts the coordinator keeps
-# (a full heartbeat's inventory is parsed in ~1.5x the time of the unchecked dicts, not 2.5x).
-# Keys a later daemon may add are dropped.
-@with_config(ConfigDict(strict=True))
-class InventoryEntry(TypedDict):
-    step: Annotated[int, Field(ge=0, lt=STEP_LIMIT)]
-    checksum: NotRequired[Annotated[str, Field(max_length=128)]]
-    nbytes: NotRequired[Annotated[int, Field(ge=0, lt=1 << 62)]]
-    layout_roles: NotRequired[Annotated[list[ShortStr], Field(max_length=_ROLE_LIMIT)]]
-    replica_of: NotRequired[ShortStr]
-
-
-@with_config(ConfigDict(strict=True))
-class WorkerInfo(TypedDict):
-    pid: Annotated[int, Field(ge=0, lt=1 << 32)]
-    job: NotRequired[ShortStr]
-    role: NotRequired[ShortStr]
-    dp_rank: NotRequired[Annotated[int, Field(ge=0, lt=LAYOUT_LIMIT)]]
-
-
 class Heartbeat(_Strict):
     model_config = ConfigDict(strict=True, extra="ignore")
     node_id: str = Field(min_length=1, max_length=_NAME_LEN, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
@@ -183,11 +160,20 @@ class Heartbeat(_Strict):
         description="http://HOST:PORT its peers reach it at (not loopback across hosts, not 0.0.0.0)",
     )
     budget_bytes: int = Field(ge=0, lt=1 << 62)
-    # job → role → committed versions held on the node
-    inventory: dict[ShortStr, dict[ShortStr, list[InventoryEntry]]] = Field(default_factory=dict, max_length=1024)
-    workers: list[WorkerInfo] = Field(default_factory=list, max_length=4096)
-    exited: list[WorkerInfo] = Field(default_factory=list, max_length=4096)
+    # The per-job records: each is checked on its own by the coordinator (dataserver.records), so
+    # one that fails is dropped and named in the answer, not the whole heartbeat.
+    inventory: dict[str, Any] = Field(
+        default_factory=dict, max_length=1024, description="job → role → committed versions held on the node (InventoryEntry)"
+    )
+    workers: list[Any] = Field(default_factory=list, max_length=4096, description="the node's workers (WorkerInfo)")
+    exited: list[Any] = Field(default_factory=list, max_length=4096, description="workers that exited since the last one (WorkerInfo)")
     udp: UdpSession | None = None  # present when the daemon will send UDP beats
+
+
+class DroppedRecord(BaseModel):
+    job: str  # "" when the record names none
+    record: str  # where it was: inventory.JOB.ROLE[i], inventory.JOB, workers[i], exited[i]
+    reason: str
 
 
 class RingView(BaseModel):
@@ -199,6 +185,8 @@ class RingView(BaseModel):
     successor: str | None
     successor_address: str | None
     udp_port: int | None
+    dropped: list[DroppedRecord] | None = None  # a heartbeat's answer: the records it left out (the first 32), if any
+    dropped_count: int | None = None  # how many it left out
 
 
 class GenerationView(BaseModel):
@@ -260,6 +248,9 @@ class _CoordinatorCollector:
             beats.add_metric([kind], n)
         yield beats
         yield CounterMetricFamily("ffplane_coordinator_worker_exits", "Worker exits reported by daemons", value=len(c.worker_exits))
+        yield CounterMetricFamily(
+            "ffplane_coordinator_records_dropped", "Heartbeat records left out for failing their check", value=c.drop_log.total
+        )
 
 
 @dataclass
@@ -732,19 +723,23 @@ def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
     async def heartbeat(body: Heartbeat, request: Request) -> Response:
         """A node daemon's full heartbeat: registers it, records its shard inventory and workers.
         Answers the ring view (ring, members' addresses, dead nodes, this node's successor) and
-        the UDP port for its next beats."""
+        the UDP port for its next beats. A record (one job's version, role or job, one worker)
+        that fails its check is left out and the rest taken; the answer's ``dropped`` names it."""
         udp = body.udp.model_dump() if body.udp is not None else None
         client = request.client.host if request.client is not None else None
-        workers = cast(list[dict[str, Any]], body.workers)
-        exited = cast(list[dict[str, Any]], body.exited)
         try:
-            coordinator.heartbeat(body.node_id, body.address, body.budget_bytes, body.inventory, workers, exited, udp, client_host=client)
+            drops = coordinator.heartbeat(
+                body.node_id, body.address, body.budget_bytes, body.inventory, body.workers, body.exited, udp, client_host=client
+            )
         except AddressError as exc:
             raise HTTPException(422, str(exc)) from exc
         except MembershipConflict as exc:
             raise HTTPException(409, str(exc)) from exc
         settled()  # recorded, but no view yet from a server that just took over
-        return Response(coordinator.view_bytes(body.node_id), media_type="application/json")
+        view = coordinator.view_bytes(body.node_id)
+        if drops.count:
+            view = view[:-1] + b"," + json.dumps(drops.answer(), separators=(",", ":")).encode()[1:]
+        return Response(view, media_type="application/json")
 
     @app.post(
         "/v1/nodes/{node_id}/unreachable",

@@ -11,7 +11,9 @@ Two transports feed it (decisions.md, "Heartbeats: UDP liveness, HTTP registrati
 * HTTP ``POST /v1/nodes/heartbeat`` (bearer token): the full heartbeat — address, budget,
   inventory, workers, exited workers. A daemon sends it to register (first beat, after a data
   server restart, after being declared dead), when a worker exited, or when UDP fails. Its answer
-  is the whole ring view and the UDP port.
+  is the whole ring view and the UDP port. A record of it that fails its check (one job's step
+  out of range, a role that is no role name: ``dataserver.records``) is dropped and named in the
+  answer; the node and its other records are taken.
 * UDP datagrams (``dataserver.protocol.heartbeat``, HMAC-SHA256 with the job token): liveness of a node
   registered over HTTP, plus — only when it changed — its inventory and workers as a compressed
   blob that is decoded only when someone asks for a job's status. The answer carries the ring
@@ -57,6 +59,7 @@ from dataserver.protocol.heartbeat import (
     encode_events,
 )
 from dataserver.protocol.restorable import Layouts, restorable_step
+from dataserver.records import DropLog, Drops, check_inventory, check_workers
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,7 @@ def address_key(address: str, client_host: str | None = None) -> tuple[str, int]
 
 class Member:
     __slots__ = (
+        "_drop_log",
         "_inventory",
         "_raw",
         "_workers",
@@ -140,7 +144,7 @@ class Member:
         "unreachable",
     )
 
-    def __init__(self, node_id: str, address: str, budget_bytes: int, last_seen: float) -> None:
+    def __init__(self, node_id: str, address: str, budget_bytes: int, last_seen: float, drop_log: DropLog | None = None) -> None:
         self.node_id = node_id
         self.address = address  # the daemon's ops/peer base URL
         self.address_key = address_key(address)  # (host, port), for the one-member-per-address rule
@@ -156,6 +160,7 @@ class Member:
         self._inventory: dict[str, dict[str, list[dict[str, Any]]]] = {}  # job → role → versions
         self._workers: list[dict[str, Any]] = []
         self._raw: bytes | None = None  # an inventory from a datagram, not decoded yet
+        self._drop_log = drop_log or DropLog()  # its records that fail their check, said once
 
     def set_inventory(self, inventory: dict[str, dict[str, list[dict[str, Any]]]], workers: list[dict[str, Any]]) -> None:
         self._inventory, self._workers, self._raw = inventory, workers, None
@@ -168,10 +173,15 @@ class Member:
         if raw is None:
             return
         try:
-            self._inventory, self._workers = decode_inventory(raw)
+            inventory, workers = decode_inventory(raw)
         except (ValueError, TypeError, zlib.error) as exc:
             log.warning("malformed inventory datagram ignored", extra={"node": self.node_id, "error": str(exc)})
             self._inventory, self._workers = {}, []
+            return
+        drops = Drops()  # checked as an HTTP heartbeat's records are: a bad one is dropped, not the rest
+        self._inventory, self._workers = check_inventory(inventory, drops), check_workers(workers, "workers", drops)
+        if drops.count:
+            self._drop_log.note(self.node_id, drops)
 
     @property
     def inventory(self) -> dict[str, dict[str, list[dict[str, Any]]]]:
@@ -196,6 +206,7 @@ class Coordinator:
         self.on_declared_dead: Callable[[float], None] | None = None  # silence before a node was declared dead
         self.deaths: deque[dict[str, Any]] = deque(maxlen=256)  # nodes declared dead, newest last (the status page)
         self.stats = {"udp_beats": 0, "udp_inventories": 0, "udp_rejected": 0, "udp_unknown": 0, "udp_replayed": 0, "http_beats": 0}
+        self.drop_log = DropLog()  # heartbeat records that failed their check (records.py)
         self.reset()
 
     def reset(self) -> None:
@@ -240,16 +251,21 @@ class Coordinator:
         node_id: str,
         address: str,
         budget_bytes: int,
-        inventory: dict[str, Any],
-        workers: list[dict[str, Any]],
-        exited: list[dict[str, Any]],
+        inventory: Any,
+        workers: Any,
+        exited: Any,
         udp: dict[str, Any] | None = None,
         client_host: str | None = None,
-    ) -> None:
+    ) -> Drops:
         """Record a node's full heartbeat (its first one registers it). ``udp`` registers the
         daemon's UDP session: ``{"session": 16 hex digits, "counter": n, "inv_version": v}``.
         ``client_host`` is where the request came from. Raises AddressError or
-        MembershipConflict, having changed nothing, when the registration cannot be taken."""
+        MembershipConflict, having changed nothing, when the registration cannot be taken.
+        Records of ``inventory``, ``workers`` and ``exited`` that fail their check are left out
+        (logged once per node and job) and returned; the rest is applied."""
+        drops = Drops()
+        inventory = check_inventory(inventory, drops)
+        workers, exited = check_workers(workers, "workers", drops), check_workers(exited, "exited", drops)
         now = time.monotonic()
         m = self.members.get(node_id)
         key = address_key(address, client_host)
@@ -266,7 +282,7 @@ class Coordinator:
         if m is None or not m.alive:
             log.info("node joined" if m is None else "node back", extra={"node": node_id, "address": address})
             self._dead_since.pop(node_id, None)
-            m = Member(node_id, address, budget_bytes, now)
+            m = Member(node_id, address, budget_bytes, now, self.drop_log)
             self.members[node_id] = m
             bisect.insort(self._ring, node_id)
             self._by_address[key] = node_id
@@ -293,6 +309,9 @@ class Coordinator:
             log.info("worker exited", extra={"worker": w, "node": node_id})  # a crash or the end of the job: the daemon cannot tell
             self.worker_exits.append({**w, "node": node_id, "at": time.time()})
         del self.worker_exits[:-256]
+        if drops.count:
+            self.drop_log.note(node_id, drops)
+        return drops
 
     def expect(self, members: dict[str, str], grace_s: float) -> list[str]:
         """Members another coordinator had alive (node id → address), taken on after it went: each
@@ -305,7 +324,7 @@ class Coordinator:
             if node_id in self.members or len(self.members) >= self.max_members:
                 continue
             try:
-                m = Member(node_id, address, 0, seen)
+                m = Member(node_id, address, 0, seen, self.drop_log)
             except AddressError:
                 continue
             if m.address_key in self._by_address:

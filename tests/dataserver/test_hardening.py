@@ -215,15 +215,29 @@ def test_job_fields_are_strict_and_bounded_as_documented(dataserver: Proc, body:
         {"udp": {"session": "0" * 16, "counter": 0, "inv_version": False}},
         {"budget_bytes": True},
         {"workers": [{"pid": 1}] * 4097},
-        {"exited": [{"pid": "1"}]},
-        {"inventory": {"j": {"r": [{"step": "4"}]}}},
-        {"inventory": {"j": {"r": [{"step": 2**53}]}}},
+        {"inventory": {f"j{i}": {} for i in range(1025)}},
+        {"inventory": [1]},
     ],
 )
 def test_heartbeats_are_strict_and_bounded(dataserver: Proc, extra: dict[str, Any]) -> None:
     r = _beat(dataserver.url, "n0", "http://127.0.0.1:9", **extra)
     assert r.status_code == 422, r.text
     assert _members(dataserver) == {}
+
+
+@pytest.mark.parametrize(
+    ("extra", "record"),
+    [
+        ({"exited": [{"pid": "1"}]}, "exited[0]"),
+        ({"inventory": {"j": {"r": [{"step": "4"}]}}}, "inventory.j.r[0]"),
+        ({"inventory": {"j": {"r": [{"step": 2**53}]}}}, "inventory.j.r[0]"),
+        ({"inventory": {"j": {"r/x": [{"step": 1}]}}}, "inventory.j.r/x"),
+    ],
+)
+def test_a_heartbeats_bad_record_is_dropped_and_named_not_the_node(dataserver: Proc, extra: dict[str, Any], record: str) -> None:
+    r = _beat(dataserver.url, "n0", "http://127.0.0.1:9", **extra)
+    assert r.status_code == 200 and [d["record"] for d in r.json()["dropped"]] == [record], r.text
+    assert set(_members(dataserver)) == {"n0"}
 
 
 # ---- 7. token and size before the body; members that go silent ------------------------------------
