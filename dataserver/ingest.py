@@ -5,7 +5,9 @@ The served form is a directory with Arrow IPC *file* shards (memory-mappable, ra
 whose length is the same in every row (token ids) become ``fixed_size_list`` columns so that
 readers get them zero-copy as a 2-D tensor. Nothing is written to ``--out`` unless every record
 of every source is valid and there is at least one sample: the dataset is built in a sibling
-folder and renamed into place. Every refusal is an :class:`IngestError` whose one-line message
+folder and renamed into place. A JSONL record must hold token ids (a field that is a list of ints,
+``{"tokens": [464, 2068, ...]}``) unless ``--binary-field`` names its payload: ingest does not
+tokenize. Every refusal is an :class:`IngestError` whose one-line message
 names the file and the line (JSONL) or row (Parquet/Arrow) and says what to fix.
 """
 
@@ -70,6 +72,18 @@ def _check_columns(names: list[str], where: str) -> None:
             f"{where}: field {SAMPLE_INDEX_COLUMN!r} is reserved (the server adds it to every "
             "batch as the sample's dataset row); rename or drop that field in the source"
         )
+
+
+def _check_token_ids(rec: dict[str, Any], where: str) -> None:
+    """Refuse a JSONL record with no field of token ids: text rows ingested fine and the
+    DataLoader then handed out strings, no ``tokens`` tensor."""
+    if any(isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v) for v in rec.values()):
+        return
+    got = ", ".join(f"{k!r} ({type(v).__name__})" for k, v in sorted(rec.items()))
+    raise IngestError(
+        f'{where}: no token ids: expected a field of token ids, a list of ints, e.g. {{"tokens": [464, 2068, 318]}}; '
+        f"the record has {got}. Tokenize the text first (a record of bytes: name its base64 field with --binary-field)"
+    )
 
 
 class _Normaliser:
@@ -180,6 +194,8 @@ def _jsonl_batches(path: Path, cfg: IngestConfig, bar: tqdm) -> Iterator[tuple[p
             if keys is None:
                 keys = sorted(rec)
                 _check_columns(keys, f"{path}:{lineno}")
+                if not cfg.binary_fields:  # a record of bytes (images...) names them instead
+                    _check_token_ids(rec, f"{path}:{lineno}")
             elif sorted(rec) != keys:
                 raise IngestError(f"{path}:{lineno}: fields {sorted(rec)} differ from the first record's {keys}")
             for name in cfg.binary_fields:

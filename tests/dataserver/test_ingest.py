@@ -69,7 +69,7 @@ def test_binary_field_from_jsonl(tmp_path: Path) -> None:
         (['{"tokens": [1, 2]}', '{"tokens": [1, 2], "x": 1}'], r"bad\.jsonl:2: fields"),
         (['{"tokens": [1, 2]}'] * 5000 + ['{"tokens": [1, 2, 3]}'], r"bad\.jsonl: row 5000: column 'tokens' has 3 values, expected 2"),
         (['{"tokens": [1, 2]}', '{"tokens": "abc"}'], r"bad\.jsonl:2: cannot mix list and non-list"),
-        (['{"a": 1}'] * 5000 + ['{"a": 1}', '{"a": "x"}'], r"bad\.jsonl:5002: Could not convert 'x'"),
+        (['{"a": 1, "t": [1]}'] * 5001 + ['{"a": "x", "t": [1]}'], r"bad\.jsonl:5002: Could not convert 'x'"),
     ],
 )
 def test_malformed_records_name_file_and_line_and_write_nothing(tmp_path: Path, lines: list[str], message: str) -> None:
@@ -81,10 +81,10 @@ def test_malformed_records_name_file_and_line_and_write_nothing(tmp_path: Path, 
 
 
 def test_cli_reports_errors_and_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    src = _jsonl(tmp_path / "bad.jsonl", ['{"a": 1}', "{oops"])
+    src = _jsonl(tmp_path / "bad.jsonl", ['{"tokens": [1]}', "{oops"])
     assert cli_main(["ingest", str(src), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert "bad.jsonl:2: malformed JSON" in capsys.readouterr().err
-    good = _jsonl(tmp_path / "good.jsonl", [{"a": 1}])
+    good = _jsonl(tmp_path / "good.jsonl", [{"tokens": [1]}])
     assert cli_main(["ingest", str(good), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
     assert cli_main(["ingest", str(good), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
@@ -143,6 +143,14 @@ def _gz_lines(n: int) -> bytes:
         ("empty.jsonl", b"{}\n{}\n{}\n", r"empty\.jsonl:1: the record has no fields.*at least one column"),
         ("blank.jsonl", b"\n\n", r"blank\.jsonl: no records \(0 samples\)"),
         ("dup.jsonl", b'{"_sample_index": 7, "a": 1}\n', r"dup\.jsonl:1: field '_sample_index' is reserved.*rename"),
+        # issue 39: text rows ingested, and the DataLoader then handed out strings, no tokens
+        (
+            "text.jsonl",
+            b'{"text": "the quick brown fox"}\n',
+            r"text\.jsonl:1: no token ids: expected a field of token ids, a list of ints, e\.g\. \{\"tokens\": \[.*'text' \(str\).*Tokenize",
+        ),
+        ("str.jsonl", b'{"tokens": "464 2068 318", "id": 1}\n', r"str\.jsonl:1: no token ids.*'id' \(int\), 'tokens' \(str\)"),
+        ("nested.jsonl", b'{"tokens": [[464], [2068]]}\n', r"nested\.jsonl:1: no token ids.*'tokens' \(list\)"),
     ],
 )
 def test_cli_refuses_bad_sources_naming_file_and_line(tmp_path: Path, name: str, content: bytes, message: str) -> None:
