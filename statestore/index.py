@@ -107,10 +107,14 @@ def write_sidecar(file: Path | str, value: dict[str, Any] | bytes) -> None:
     tmp = tmp_path(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, value if isinstance(value, bytes) else encode(value))
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
+        try:
+            os.write(fd, value if isinstance(value, bytes) else encode(value))
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        unlink(tmp)  # a full tmpfs leaves nothing behind
+        raise
 
 
 def read_sidecar(file: Path) -> dict[str, Any] | None:

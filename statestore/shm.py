@@ -108,15 +108,21 @@ def reserve(fd: int, size: int, what: str, root: Path | str) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
-        try:
-            st = os.statvfs(root)
-            free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
-        except OSError:
-            free = "free space unknown"
-        raise CapacityError(
-            f"no room for {what} ({size / 2**20:.1f} MiB) in the tmpfs at {root} ({free}): {exc.strerror}; "
-            "give the tmpfs more room or lower --budget-mb below its size"
-        ) from exc
+        raise no_room(what, size, root, exc) from exc
+
+
+def no_room(what: str, size: int, root: Path | str, exc: BaseException) -> CapacityError:
+    """The ``CapacityError`` for ``what`` (``size`` bytes) not fitting in the tmpfs at ``root``."""
+    try:
+        st = os.statvfs(root)
+        free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    need = f"{size / 2**20:.1f} MiB" if size >= 1 << 20 else f"{size} bytes"
+    return CapacityError(
+        f"no room for {what} ({need}) in the tmpfs at {root} ({free}): {getattr(exc, 'strerror', None) or exc}; "
+        "give the tmpfs more room or lower --budget-mb below its size"
+    )
 
 
 def huge_pages(root: Path) -> str:

@@ -11,14 +11,18 @@ A worker killed mid-copy leaves an uncommitted slot and the previous versions in
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import mmap
 import os
 import time
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import lmdb
 
 from dataserver.protocol.errors import (
     CapacityError,
@@ -266,11 +270,11 @@ class SlotStore:
         hashed = time.perf_counter()
         if static_header is not None and static not in rs.statics and static_digest(static_header) != static:
             raise CorruptError(f"the static header sent with {role} step {step} is not the one its digest {static} names")
+        if static and static_header is not None and static not in rs.statics:
+            self._record(
+                rs, slot, f"the static header of {role}", len(encode(static_header)), lambda: self._put_static(rs, static, static_header)
+            )
         if static:
-            if static_header is not None and static not in rs.statics:
-                rs.statics[static] = static_header
-                self.index.put(f"statics/{job}/{role}/{static}", static_header)
-                write_sidecar(self._static_file(job, role, static), static_header)
             header = {**rs.statics[static], **header}
         version = Version(
             step, slot, nbytes, digest, header, time.time(), save_block_s, static=static, header_digest=header_digest(header, static)
@@ -280,16 +284,26 @@ class SlotStore:
         # older step, a restarted job): they must not outrank what is saved now.
         kept = {*rs.versions, step}
         stale = [s for s in kept if s > step] + sorted(s for s in kept if s <= step)[:-KEEP_VERSIONS]
-        # the commit point, and the index forgets what it replaces in the same transaction
         recorded = time.perf_counter()
         entry = encode(version.index_entry())  # once, for the index and the sidecar
-        self.index.put(version_key(job, role, step), entry, replacing=(version_key(job, role, s) for s in stale))
-        indexed = time.perf_counter()
-        write_sidecar(f"{self._root}/{slot}", entry)  # what a rebuild of a lost index adopts (after verifying it)
+        # The sidecar (what a rebuild of a lost index adopts, after verifying it) comes before the
+        # commit point, so a full tmpfs refuses the commit with nothing recorded: written after it,
+        # a failure left the index a step ahead of the running daemon, and the slot taken.
+        self._record(rs, slot, f"the record of {role} step {step}", len(entry), lambda: write_sidecar(f"{self._root}/{slot}", entry))
+        written = time.perf_counter()
+
+        def commit_point() -> None:  # the index forgets what it replaces in the same transaction
+            try:
+                self.index.put(version_key(job, role, step), entry, replacing=(version_key(job, role, s) for s in stale))
+            except BaseException:
+                remove_sidecar(f"{self._root}/{slot}")
+                raise
+
+        self._record(rs, slot, f"the index entry of {role} step {step}", len(entry), commit_point)
         parts = self.commit_parts
         parts.add("checksum", hashed - started)
-        parts.add("index", indexed - recorded)
-        parts.add("sidecar", time.perf_counter() - indexed)
+        parts.add("index", time.perf_counter() - written)
+        parts.add("sidecar", written - recorded)
         rs.versions[step] = version
         rs.writing.pop(slot, None)
         dropped = {rs.versions[s].path for s in stale}
@@ -302,6 +316,22 @@ class SlotStore:
         parts.add("total", time.perf_counter() - started)
         parts.done()
         return version
+
+    def _put_static(self, rs: RoleState, static: str, static_header: dict[str, Any]) -> None:
+        self.index.put(f"statics/{rs.job}/{rs.role}/{static}", static_header)
+        write_sidecar(self._static_file(rs.job, rs.role, static), static_header)
+        rs.statics[static] = static_header
+
+    def _record(self, rs: RoleState, slot: str, what: str, size: int, write: Callable[[], None]) -> None:
+        """``write`` a commit's record of ``size`` bytes; on a full tmpfs (or index) the commit is
+        refused with a ``CapacityError``, the slot is free again and nothing of the step is kept."""
+        try:
+            write()
+        except (OSError, lmdb.Error) as exc:
+            if not _no_room(exc):
+                raise
+            rs.writing.pop(slot, None)
+            raise shm.no_room(what, size, self.root, exc) from exc
 
     def _forget_statics(self, rs: RoleState) -> None:
         """Drop static header parts no kept version uses (a layout or model change left them)."""
@@ -415,3 +445,10 @@ def _prefault(path: Path, size: int) -> None:
         raise
     finally:
         os.close(fd)
+
+
+def _no_room(exc: BaseException) -> bool:
+    """Whether ``exc`` says the tmpfs (or the index's map) is full."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, lmdb.MapFullError) or os.strerror(errno.ENOSPC) in str(exc)

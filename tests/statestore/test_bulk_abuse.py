@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from ffplane_harness.local_cluster import LocalCluster
 from statestore.transport.bulk_server import AUTH_S, PREAUTH_CONNECTIONS, TAKEOVER_S
 from statestore.transport.bulk_wire import META_LIMIT, BulkHead, BulkReply, Op
 from tests._servers import TOKEN, until
-from tests.statestore.conftest import daemon_state
+from tests.statestore.conftest import daemon_state, small_tmpfs
 from tests.statestore.test_bulk import AUTH, DATA, ROLE, _ring_of_two, bulk_port, connect, meta, read_reply
 from trainer_client import Checkpointer
 
@@ -134,25 +133,9 @@ def _push(sock: socket.socket, step: int, offset: int, body: bytes) -> BulkReply
 
 @pytest.fixture
 def small_tmpfs_node1(cluster: LocalCluster) -> Iterator[Path]:
-    """Node 1's root on a 48 MiB tmpfs of its own (unmounted after), so it can be filled."""
-    where = cluster.root(1)
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=0700", "tmpfs", str(where)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    """Node 1's root on a 48 MiB tmpfs of its own."""
+    with small_tmpfs(cluster, 1) as where:
         yield where
-    finally:
-        for d in list(cluster.daemons):
-            d.kill()
-        subprocess.run(["umount", "-l", str(where)], check=False)
-        with_retries = 0
-        while where.exists() and with_retries < 20:
-            try:
-                where.rmdir()
-            except OSError:
-                time.sleep(0.1)
-                with_retries += 1
 
 
 def test_a_receiver_with_a_full_tmpfs_says_so_at_once_and_keeps_the_connection(cluster: LocalCluster, small_tmpfs_node1: Path) -> None:
