@@ -73,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     from ffplane_harness.demo import MODELS
 
     demo = subcommand(sub, "demo", "two nodes, a killed worker, a lost node: timelines and a bitwise check")
-    demo.add_argument("--out", type=Path, default=Path("ffplane-demo"), help="where demo.json and the PNGs go")
+    demo.add_argument(
+        "--out", type=Path, default=None, help="where demo.json and the PNGs go (default: a new folder in the temp dir, printed)"
+    )
     demo.add_argument("--steps", type=positive_int, default=40, help="training steps of the demo job")
     demo.add_argument(
         "--model",

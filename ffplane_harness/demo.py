@@ -6,8 +6,9 @@ lost, and a bitwise check of the final weights against a failure-free run.
 Each node is one ``torchrun`` (c10d rendezvous, ``--max-restarts``), as users launch jobs: torchrun
 restarts the workers of a node whose worker died and, through the rendezvous, every other node's;
 a lost node's agent dies with it and a replacement agent joins the next round. Writes
-``timeline.png``, ``loss.png`` and ``demo.json`` to ``--out``; removes every process and
-shared-memory folder it made.
+``timeline.png``, ``loss.png`` and ``demo.json`` to ``--out`` (by default a new folder in the temp
+dir, not the working tree, named when the demo starts); removes every process and shared-memory
+folder it made.
 """
 
 from __future__ import annotations
@@ -142,8 +143,13 @@ def _interrupted(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_demo(out: Path, steps: int, model: str, keep: bool) -> int:
-    """``ffplane demo``: 0 when the run ends bitwise-equal to the failure-free one."""
+def run_demo(out: Path | None, steps: int, model: str, keep: bool) -> int:
+    """``ffplane demo``: 0 when the run ends bitwise-equal to the failure-free one. Without
+    ``out`` the results go to a new folder in the temp dir (a run in a checkout left an untracked
+    ``ffplane-demo/`` in it)."""
+    if out is None:
+        out = Path(tempfile.mkdtemp(prefix="ffplane-demo-results-"))
+    print(f"results go to {out}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="ffplane-demo-"))
     d = Demo(work, out, steps, model)
     old = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -4,6 +4,7 @@ timeline, at most one lost step, bitwise-equal weights, PNGs, and nothing left b
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,45 @@ def test_the_demo_recovers_both_failures_bitwise_and_cleans_up(tmp_path: Path) -
     assert "final weights bitwise-equal to the failure-free run: True" in r.stdout
     assert _left_behind() <= before  # every shared-memory folder it made is gone
     assert set(Path(tempfile.gettempdir()).glob("ffplane-demo-*")) == work_before  # its work folder too
+
+
+def test_the_demo_writes_its_results_outside_the_working_tree_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39: run in a checkout, ``ffplane demo`` left an untracked ``ffplane-demo/`` there.
+    The demo itself is stood in for (its runs are the test above); only where it writes is checked."""
+    from ffplane_harness import demo
+    from ffplane_harness.cli import main
+
+    outs: list[Path] = []
+
+    class _Demo:
+        def __init__(self, work: Path, out: Path, steps: int, model: str) -> None:
+            outs.append(out)
+            self.out = out
+
+        def prepare(self, jobs: list[str]) -> None:
+            pass
+
+        def run(self) -> dict[str, bool]:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "demo.json").write_text("{}")
+            return {"bitwise_equal": True}
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(demo, "Demo", _Demo)
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert main(["demo"]) == 0
+        (out,) = outs
+        assert list(tmp_path.iterdir()) == []  # nothing in the folder it was run from
+        assert out.is_absolute() and out.parent == Path(tempfile.gettempdir()) and (out / "demo.json").exists()
+        assert f"results go to {out}" in capsys.readouterr().out  # and it says where they are
+    finally:
+        for out in outs:
+            shutil.rmtree(out if out.is_absolute() else tmp_path / out, ignore_errors=True)
 
 
 # the Checkpointer's FSDP2 path under failures also runs in the soak (bench/soak.py --model fsdp2)
