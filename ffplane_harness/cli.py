@@ -157,7 +157,7 @@ def _known(client: Any, method: str, name: str) -> Any:
 def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
     """``GET /v1/cluster`` as tables: nodes (ring order), each job's roles, recent failures."""
     ring = c["ring"]
-    rows = [("NODE", "STATE", "ADDRESS", "ROLES (newest step)", "REPLICAS", "CACHE", "GATE")]
+    rows = [("NODE", "STATE", "ADDRESS", "ROLES (newest step)", "REPLICAS", "CACHE", "GATE", "WARM")]
     unreadable: list[str] = []
     order = sorted(c["members"], key=lambda n: (n not in ring, ring.index(n) if n in ring else 0, n))
     for node in order:
@@ -174,7 +174,7 @@ def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
         alive = "alive" if m["alive"] else ("unreachable" if m.get("unreachable") else "dead")
         if "unreadable" in d:  # its answer was odd: the reason goes below the table
             alive, unreadable = "unreadable", [*unreadable, f"{node}: {d['unreadable']}"]
-        rows.append((node, alive, m["address"], roles or "-", str(replicas) if state else "-", used, gate_s))
+        rows.append((node, alive, m["address"], roles or "-", str(replicas) if state else "-", used, gate_s, _warm(state.get("warm"))))
     out = [f"coordinator {c['leader']}", _table(rows)]
     if unreadable:
         out += ["\nunreadable daemons (alive, but their answer could not be read)", *unreadable]
@@ -198,6 +198,14 @@ def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
     if len(failures) > 1:
         out += ["\nrecent failures", _table(failures)]
     return "\n".join(out)
+
+
+def _warm(warm: Any) -> str:
+    """A node's warm-start zygotes: ``ready`` (a restarted or spare worker forks with torch
+    imported), ``starting`` (still importing), ``-`` (none: a worker here starts cold)."""
+    if not isinstance(warm, dict) or not (warm.get("ready") or warm.get("starting")):
+        return "-"
+    return "ready" if warm.get("ready") else "starting"
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> str:

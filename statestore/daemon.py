@@ -293,6 +293,7 @@ def create_app(daemon: Daemon) -> FastAPI:
             "replication": daemon.state.replicator.describe() if daemon.state.replicator else None,
             "pulled_bytes": daemon.state.pulled_bytes,
             "restores_behind": daemon.state.restores_behind,
+            "warm": _warm(),
             "commit_parts": slots.commit_parts.describe(),
             "replica_parts": replicas.finish_parts.describe(),
             "transfer": {
@@ -329,3 +330,11 @@ def create_app(daemon: Daemon) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _warm() -> dict[str, Any]:
+    """This node's warm-start zygotes (``trainer_client.warm_start``, same user): a warm spare is
+    one with a zygote ready."""
+    from trainer_client.warm_start import readiness, warm_dir
+
+    return readiness(warm_dir())

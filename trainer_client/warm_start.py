@@ -64,16 +64,40 @@ def warm_dir() -> Path:
 
 
 def socket_path() -> Path:
-    """This interpreter's and torch's zygote socket (found without importing torch)."""
+    """This interpreter's and torch's zygote socket (found without importing torch).
+
+    The interpreter is named by what it is, not how it was called: torchrun starts workers with
+    ``venv/bin/python3``, a spare's ``--prestart`` is typed as ``venv/bin/python`` (a link to it),
+    and keyed on the path as called the prestarted zygote was never found (a node loss took 14.2 s
+    instead of 3.7 s). ``sys.prefix`` keeps two virtual environments over one interpreter apart."""
     spec = importlib.util.find_spec("torch")
     origin = spec.origin if spec and spec.origin else ""
     stamp = os.stat(origin).st_mtime_ns if origin else 0
-    key = hashlib.sha1(f"{sys.executable}|{sys.version}|{origin}|{stamp}".encode()).hexdigest()[:12]
+    python = os.path.realpath(sys.executable)
+    key = hashlib.sha1(f"{python}|{sys.prefix}|{sys.version}|{origin}|{stamp}".encode()).hexdigest()[:12]
     return warm_dir() / f"z-{key}.sock"  # short: a socket path has at most 107 bytes
 
 
 def zygotes(directory: Path) -> list[int]:
     """The running zygotes of ``directory``."""
+    return [pid for pid, _ in _live(directory)]
+
+
+def readiness(directory: Path) -> dict[str, Any]:
+    """The zygotes of ``directory``: how many have torch imported (``ready``) and how many are
+    still importing it (``starting``), which is what a warm spare's readiness is."""
+    ready = 0
+    live = _live(directory)
+    for pid, pidfile in live:
+        try:
+            ready += json.loads(pidfile.with_suffix(".ready").read_text())["pid"] == pid
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # still importing (or a marker left by a dead zygote with this name)
+    return {"dir": str(directory), "ready": ready, "starting": len(live) - ready}
+
+
+def _live(directory: Path) -> list[tuple[int, Path]]:
+    """(pid, pid file) of each running zygote of ``directory``."""
     found = []
     for pidfile in directory.glob("*.pid"):
         try:
@@ -82,7 +106,7 @@ def zygotes(directory: Path) -> list[int]:
         except (OSError, ValueError):
             continue  # gone already
         if b"trainer_client.warm_start" in cmdline and str(pidfile.with_suffix(".sock")).encode() in cmdline:
-            found.append(pid)
+            found.append((pid, pidfile))
     return found
 
 
@@ -443,26 +467,49 @@ def serve(path: Path, idle_s: float) -> int:
     ]
     for name in preload:
         importlib.import_module(name.strip())
-    _log("zygote ready", socket=str(path), preloaded=preload, import_s=round(time.perf_counter() - started, 3), idle_exit_s=idle_s)
-    z.serve()
+    import_s = round(time.perf_counter() - started, 3)
+    marker = path.with_suffix(".ready")  # what ``readiness`` (the daemon's /v1/state, ffplane status) reads
+    marker.write_text(json.dumps({"pid": os.getpid(), "import_s": import_s, "python": os.path.realpath(sys.executable)}))
+    _log("zygote ready", socket=str(path), preloaded=preload, import_s=import_s, idle_exit_s=idle_s)
+    try:
+        z.serve()
+    finally:
+        marker.unlink(missing_ok=True)
     _log("zygote exits: idle", socket=str(path))
     return 0
 
 
-def prestart() -> None:
-    """Start this node's zygote now, before any worker runs here (a warm spare node)."""
+def prestart(wait_s: float = 120.0) -> int:
+    """Start this node's zygote now, before any worker runs here (a warm spare node), and (with
+    ``wait_s`` > 0) wait until it has torch imported, saying so in one line."""
     path = socket_path()
     conn = _connect(path)
     if conn is not None:
         conn.close()
-        return
-    _start_zygote(path)
+    else:
+        _start_zygote(path)
+    marker, deadline = path.with_suffix(".ready"), time.monotonic() + wait_s
+    while wait_s > 0:
+        try:
+            info = json.loads(marker.read_text())
+            print(f"ffplane warm start: zygote ready (pid {info['pid']}, torch imported in {info['import_s']} s) at {path}", flush=True)
+            return 0
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if time.monotonic() > deadline:
+            print(
+                f"ffplane warm start: the zygote at {path} is not ready after {wait_s:.0f} s; see {path.with_suffix('.log')}",
+                file=sys.stderr,
+            )
+            return 1
+        time.sleep(0.1)
+    print(f"ffplane warm start: zygote starting at {path} (log: {path.with_suffix('.log')})", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--prestart"]:
-        prestart()
-        sys.exit(0)
+        sys.exit(prestart(0.0 if "--no-wait" in sys.argv[2:] else 120.0))
     if sys.argv[1:2] == ["--serve"]:
         sys.exit(serve(Path(sys.argv[2]), float(os.environ.get(IDLE_ENV, "600"))))
     sys.exit(main(sys.argv[1:]))

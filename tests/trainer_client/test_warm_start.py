@@ -11,9 +11,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
+from ffplane_harness.cli import render_status
 from tests._servers import until
 from trainer_client.warm_start import socket_path, stop
 
@@ -137,3 +140,31 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_zygote_prestarted_through_one_name_of_the_interpreter_serves_workers_started_through_another(
+    tmp_path: Path, warm: dict[str, str], start_daemon: Any, dataserver: Any
+) -> None:
+    """The docs prestart a spare's zygote with ``venv/bin/python``; torchrun starts workers with
+    ``venv/bin/python3`` (a link to it). The zygote was keyed on the name as called, so the spare
+    stayed cold. Its readiness shows in the daemon's /v1/state (and ffplane status)."""
+    bindir = Path(sys.executable).parent
+    names = [bindir / n for n in ("python", "python3") if (bindir / n).exists()]
+    if len(names) < 2 or names[0].resolve() != names[1].resolve():
+        pytest.skip(f"needs python and python3 naming one interpreter in {bindir}")
+    pre = subprocess.run(
+        [str(names[0]), "-m", "trainer_client.warm_start", "--prestart"], env=warm, capture_output=True, text=True, timeout=180
+    )
+    assert pre.returncode == 0 and "zygote ready" in pre.stdout, pre.stdout + pre.stderr
+    p = subprocess.Popen(
+        [str(names[1]), "-m", "trainer_client.warm_start", "job.py", "0"], cwd=tmp_path, env=warm, stdout=subprocess.PIPE, text=True
+    )
+    out, _ = p.communicate(timeout=120)
+    got = json.loads(out)
+    assert p.returncode == 0 and got["torch_preloaded"] and got["ppid"] == _zygote()  # before: cold, in the process itself
+    daemon = start_daemon()
+    warm_state = httpx.get(f"{daemon.url}/v1/state").json()["warm"]
+    assert warm_state["ready"] == 1 and warm_state["starting"] == 0
+    until(lambda: httpx.get(dataserver.url + "/v1/nodes").json()["ring"], what="the daemon in the ring")
+    table = render_status(httpx.get(dataserver.url + "/v1/cluster").json()).splitlines()
+    assert table[1].split()[-1] == "WARM" and table[2].split()[-1] == "ready", table
