@@ -24,7 +24,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,6 +48,7 @@ _T = TypeVar("_T")
 
 _CONNECT_S, _READ_S = 2.0, 10.0  # a data server that takes no connection / sends nothing this long is passed over
 RUN_STEP_BYTES = 256 << 10  # steps at most this big are prefetched ``fetch_steps`` per request
+_ROOM_POLL_S = 0.5  # a step a reader waits on for room looks again this often (and whenever a fetch's room frees)
 
 
 class _PutOff(UnavailableError):
@@ -74,6 +76,21 @@ class CachedFile:
         return self.first + self.count
 
 
+@dataclass(eq=False)
+class _Reservation:
+    """The room one fetch holds in the budget for bytes not cached yet: the size the data server
+    announced, or what has arrived of a body that came without one (grown chunk by chunk, before
+    each chunk is written); handed over to the file when it is published, or freed when the
+    fetch ends otherwise. A prefetch's room is taken back (``preempted``) for a step a reader
+    waits on: the prefetch stops at its next chunk."""
+
+    stream: Stream
+    step: int
+    size: int | None = None  # the body's announced size, if it had one
+    nbytes: int = 0
+    preempted: bool = False
+
+
 @dataclass
 class Stream:
     job: str
@@ -85,7 +102,7 @@ class Stream:
     ready: dict[int, CachedFile] = field(default_factory=dict)  # every cached step → the file holding it
     inflight: dict[int, asyncio.Future[CachedFile]] = field(default_factory=dict)
     failed: dict[int, FFPlaneError] = field(default_factory=dict)
-    end_step: int | None = None  # first step the data server refused as out of range
+    end_step: int | None = None  # first step the data server refused as out of range (prefetches stop there)
     step_bytes: int = 0  # the size of the last step the data server announced
     hits: int = 0
     misses: int = 0
@@ -140,8 +157,9 @@ class Stream:
         }
 
 
-async def _copy_body(resp: aiohttp.ClientResponse, fd: int, admit: Callable[[int], Awaitable[None]] | None = None) -> int:
-    """Write the body to ``fd`` as it arrives; returns its size.
+async def _copy_body(resp: aiohttp.ClientResponse, fd: int, before_write: Callable[[int], Awaitable[None]]) -> int:
+    """Write the body to ``fd`` as it arrives; returns its size. ``before_write`` is awaited with
+    each chunk's size before the chunk is written (room in the budget, the link gate).
 
     Chunks are taken as aiohttp buffered them (``iter_chunks`` pops them; ``iter_any`` would
     join them, a copy) and written whole huge pages at a time (``shm.PageWriter``), on the
@@ -151,8 +169,7 @@ async def _copy_body(resp: aiohttp.ClientResponse, fd: int, admit: Callable[[int
     """
     out = shm.PageWriter(fd)
     async for chunk, _ in resp.content.iter_chunks():
-        if admit is not None:  # the link gate: while TRAIN runs, stop reading (TCP backs off)
-            await admit(len(chunk))
+        await before_write(len(chunk))
         out.add(chunk)
     out.flush()
     return out.offset
@@ -177,7 +194,8 @@ class DataCache:
         self._session: aiohttp.ClientSession | None = None
         self.bytes_fetched = 0
         self.other_bytes: Callable[[], int] = lambda: 0  # shared memory the state slots hold
-        self._reserved = 0  # bytes of steps being written now
+        self._reservations: set[_Reservation] = set()  # the room of the fetches under way
+        self._room_freed = asyncio.Event()  # set when a reservation ends: a step a reader waits on may fit now
         self.peak_bytes = 0  # the most the cache ever held (or had reserved) at once: at most the budget
         self.gate = gate  # fetches wait at it (none: they never wait)
 
@@ -201,10 +219,12 @@ class DataCache:
             if path not in known:  # published but never indexed: the daemon died in between
                 shm.unlink(path)
                 dropped += 1
+        self.peak_bytes = max(self.peak_bytes, self.cached_bytes())
         return kept, dropped
 
     def cached_bytes(self) -> int:
-        return sum(s.nbytes() for s in self.streams.values()) + self._reserved
+        """Bytes the cache holds: its files, and the room of the fetches under way."""
+        return sum(s.nbytes() for s in self.streams.values()) + sum(r.nbytes for r in self._reservations)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -293,6 +313,8 @@ class DataCache:
                     continue
                 if len(stream.inflight) >= in_flight:
                     break
+                if estimate == 0 and (stream.inflight or planned):  # no step's size known yet: one first
+                    break
                 fit = (self.config.budget_bytes - self.cached_bytes() - self.other_bytes() - planned) // max(estimate, 1)
                 if fit < 1:
                     if not planned:  # (otherwise the room is what this pass has just asked for)
@@ -325,33 +347,77 @@ class DataCache:
     def _step_estimate(self, stream: Stream) -> int:
         return max(max((f.nbytes // f.count for f in stream.files.values()), default=0), stream.step_bytes)
 
-    def _make_room(self, stream: Stream, step: int, need: int) -> None:
-        """Reserve ``need`` bytes for ``step`` within the budget. A step a reader waits for makes
-        room by evicting what no reader is on (consumed steps kept for replay first, then the
-        furthest prefetched); a prefetch that does not fit is put off (503) until room frees."""
+    @staticmethod
+    def _needed(stream: Stream, step: int) -> bool:
+        """A reader waits on ``step`` (or has passed it): not a prefetch."""
+        return bool(stream.readers) and step <= max(stream.readers.values())
+
+    @contextmanager
+    def _reservation(self, stream: Stream, step: int) -> Iterator[_Reservation]:
+        """Room for one fetch of ``step``, none yet (``_hold`` grows it), freed when the block
+        ends unless ``_publish`` handed it to the file first."""
+        res = _Reservation(stream, step)
+        self._reservations.add(res)
+        try:
+            yield res
+        finally:
+            self._release(res)
+
+    def _release(self, res: _Reservation) -> None:
+        if res in self._reservations:
+            self._reservations.discard(res)
+            self._room_freed.set()
+
+    async def _hold(self, res: _Reservation, total: int) -> None:
+        """Grow ``res`` to ``total`` bytes within the budget, before they are written.
+
+        A prefetch that does not fit is put off (503) until room frees; so is one whose room a
+        waited-on step took back. A step a reader waits on makes room by evicting what no reader is
+        on (consumed steps kept for replay first, then the furthest prefetched), then by stopping
+        the prefetches under way; one that cannot fit even so is a ``CapacityError``."""
+        stream, step = res.stream, res.step
+        if res.preempted and not self._needed(stream, step):
+            raise _PutOff(f"prefetch of {stream.key} step {step} put off: a step a reader waits on took its room")
         budget = self.config.budget_bytes
+        while (need := total - res.nbytes) > 0:
+            if self.cached_bytes() + self.other_bytes() + need <= budget:
+                res.nbytes = total
+                self.peak_bytes = max(self.peak_bytes, self.cached_bytes())
+                return
+            if not self._needed(stream, step):
+                raise _PutOff(f"prefetch of {stream.key} step {step} put off: the cache is at its budget")
+            self._evict_victims(lambda: self.cached_bytes() + self.other_bytes() + need <= budget)
+            if self.cached_bytes() + self.other_bytes() + need <= budget:
+                continue
+            prefetches = [r for r in self._reservations if not self._needed(r.stream, r.step)]
+            stuck = self.cached_bytes() - sum(r.nbytes for r in prefetches) - res.nbytes  # what no one can free now
+            if stuck + self.other_bytes() + total > budget:
+                raise self._too_big(res, total, stuck)
+            for r in prefetches:  # they stop at their next chunk; their room frees as they do
+                r.preempted = True
+            if self.gate is not None:
+                self.gate.recheck()  # (one held at the gate is let through, to stop)
+            self._room_freed.clear()
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._room_freed.wait(), _ROOM_POLL_S)
 
-        def over() -> int:
-            return self.cached_bytes() + self.other_bytes() + need - budget
+    def _too_big(self, res: _Reservation, total: int, stuck: int) -> CapacityError:
+        mib = 1 << 20
+        size = f"{res.size / mib:.1f} MiB" if res.size is not None else f"over {total / mib:.1f} MiB"
+        return CapacityError(
+            f"step {res.step} of {res.stream.key} ({size}) does not fit in the daemon's budget of "
+            f"{self.config.budget_bytes / mib:.1f} MiB ({stuck / mib:.1f} MiB of cached steps readers are on, "
+            f"{self.other_bytes() / mib:.1f} MiB of state slots and replicas); raise --budget-mb (and the tmpfs), or lower --window",
+        )
 
-        if over() > 0 and bool(stream.readers) and step <= max(stream.readers.values()):
-            for victim, cached in self._victims():
-                if over() <= 0:
-                    break
-                victim.drop(cached)
-                shm.unlink(cached.path)  # a reader still mapping it keeps its pages
-                self.index.delete(_file_key(victim, cached))
-        if over() > 0:
-            if stream.readers and step <= max(stream.readers.values()):
-                mib = 1 << 20
-                raise CapacityError(
-                    f"step {step} of {stream.key} ({need / mib:.1f} MiB) does not fit in the daemon's budget of {budget / mib:.1f} MiB "
-                    f"({(self.cached_bytes()) / mib:.1f} MiB of cached steps readers are on, {self.other_bytes() / mib:.1f} MiB of state "
-                    "slots and replicas); raise --budget-mb (and the tmpfs), or lower --window",
-                )
-            raise _PutOff(f"prefetch of {stream.key} step {step} put off: the cache is at its budget")
-        self._reserved += need
-        self.peak_bytes = max(self.peak_bytes, self.cached_bytes())
+    def _evict_victims(self, enough: Callable[[], bool]) -> None:
+        """Unlink files no reader is on, in ``_victims``' order, until ``enough()``."""
+        for victim, cached in self._victims():
+            if enough():
+                break
+            victim.drop(cached)
+            shm.unlink(cached.path)  # a reader still mapping it keeps its pages
+            self.index.delete(_file_key(victim, cached))
 
     def _victims(self) -> list[tuple[Stream, CachedFile]]:
         """Files no reader is on: consumed ones, oldest first, then the furthest prefetched."""
@@ -383,7 +449,6 @@ class DataCache:
         try:
             async with self._fetch_slots:
                 cached = await self._download(stream, step, tmp, final)
-            stream.add(cached)
             stream.fetched += 1
             fut.set_result(cached)
         except FFPlaneError as exc:
@@ -391,13 +456,11 @@ class DataCache:
                 stream.failed[step] = exc
             fut.set_exception(exc)
             fut.exception()  # retrieved here; waiters get it from stream.failed / the future
-            if exc.status == 416:  # past the job's end: stop prefetching there
+            level = logging.INFO if isinstance(exc, _PutOff) else logging.WARNING
+            if exc.status == 416:  # past the job's end: stop prefetching there; said once a stream
+                level = logging.INFO if stream.end_step is None else logging.DEBUG
                 stream.end_step = step if stream.end_step is None else min(step, stream.end_step)
-            log.log(
-                logging.INFO if exc.status == 416 or isinstance(exc, _PutOff) else logging.WARNING,
-                "fetch failed",
-                extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step, "error": str(exc)},
-            )
+            log.log(level, "fetch failed", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": step, "error": str(exc)})
         except BaseException as exc:
             if not fut.done():
                 fut.cancel()
@@ -433,7 +496,8 @@ class DataCache:
             log.info("fetch put off", extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": steps[0], "steps": len(steps)})
             return
         except FFPlaneError as exc:
-            log.info(
+            log.log(
+                logging.DEBUG if exc.status == 416 else logging.INFO,  # (past the end: its steps alone find where it is)
                 "run fetch failed; fetching its steps one by one",
                 extra={"job": stream.job, "dp_rank": stream.dp_rank, "step": steps[0], "steps": len(steps), "error": str(exc)},
             )
@@ -446,7 +510,6 @@ class DataCache:
                     fut.cancel()
             raise
         if got is not None:
-            stream.add(got)
             stream.fetched += len(steps)
             for step, fut in zip(steps, futs):
                 stream.inflight.pop(step, None)
@@ -454,7 +517,13 @@ class DataCache:
             stream.wake.set()
             return
         for step, fut in zip(steps, futs):
+            if stream.end_step is not None and step >= stream.end_step:  # found by a step before it: not asked again
+                stream.inflight.pop(step, None)
+                fut.set_exception(error_from(416, f"{stream.key} step {step} is past the job's end ({stream.end_step} steps)"))
+                fut.exception()
+                continue
             await self._fetch(stream, step, fut)
+        stream.wake.set()
 
     async def _download_run(self, stream: Stream, steps: list[int]) -> CachedFile:
         """``_download`` for several steps (servers in ``DataServers.for_run``'s order)."""
@@ -465,61 +534,55 @@ class DataCache:
         assert self._session is not None
         url = f"{server}/v1/jobs/{stream.job}/batches"
         params = {"dp_rank": str(stream.dp_rank), "start": str(steps[0]), "count": str(len(steps))}
+        what = f"{stream.key} steps {steps[0]}+{len(steps)}"
         stream.requests += 1
         chunks: list[bytes] = []
         cap = len(steps) * RUN_STEP_BYTES  # what a run is for; bigger steps go one by one, each within the budget
-        too_large = _RunTooLarge(f"{stream.key} steps {steps[0]}+{len(steps)} are over {RUN_STEP_BYTES >> 10} KiB a step now")
-        try:
-            async with self._session.get(url, params=params, headers=bearer(stream.token or self.token)) as resp:
-                if resp.status != 200:
-                    detail = (await resp.text())[:500]
-                    raise error_from(
-                        resp.status, f"data server answered {resp.status} for {stream.key} steps {steps[0]}+{len(steps)}: {detail}"
-                    )
-                if resp.content_length is not None and resp.content_length > cap:
-                    raise too_large
-                need = resp.content_length if resp.content_length is not None else cap
-                self._make_room(stream, steps[0], need)
-                try:
+        too_large = _RunTooLarge(f"{what} are over {RUN_STEP_BYTES >> 10} KiB a step now")
+        with self._reservation(stream, steps[0]) as res:  # the room of the whole body, held until its file is published
+            try:
+                async with self._session.get(url, params=params, headers=bearer(stream.token or self.token)) as resp:
+                    if resp.status != 200:
+                        detail = (await resp.text())[:500]
+                        raise error_from(resp.status, f"data server answered {resp.status} for {what}: {detail}")
+                    if resp.content_length is not None and resp.content_length > cap:
+                        raise too_large
+                    res.size = resp.content_length
+                    await self._hold(res, resp.content_length if resp.content_length is not None else cap)
                     got = 0
                     async for chunk, _ in resp.content.iter_chunks():
                         got += len(chunk)
                         if got > cap:
                             raise too_large
+                        await self._hold(res, got)  # (only looks whether its room was taken back)
                         if self.gate is not None:
-                            await self._admit(stream, steps[0], len(chunk))
+                            await self._admit(res, len(chunk))
                         chunks.append(chunk)
-                finally:
-                    self._reserved -= need
-        except aiohttp.ClientError as exc:
-            raise TransportError(f"cannot fetch {stream.key} steps {steps[0]}+{len(steps)} from {server}: {exc}") from exc
-        body = b"".join(chunks)
-        if resp.content_length is not None and len(body) != resp.content_length:
-            raise TransportError(
-                f"{stream.key} steps {steps[0]}+{len(steps)}: body of {len(body)} bytes, Content-Length said {resp.content_length}"
-            )
-        try:
-            check_run(body, steps)
-        except (ValueError, pa.ArrowException) as exc:
-            raise TransportError(f"{stream.key} steps {steps[0]}+{len(steps)} from {server}: {exc}") from exc
-        final = stream.directory / step_file(steps[0])
-        tmp = shm.tmp_path(final)
-        try:
-            fd = shm.open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            except aiohttp.ClientError as exc:
+                raise TransportError(f"cannot fetch {what} from {server}: {exc}") from exc
+            body = b"".join(chunks)
+            if resp.content_length is not None and len(body) != resp.content_length:
+                raise TransportError(f"{what}: body of {len(body)} bytes, Content-Length said {resp.content_length}")
             try:
-                shm.presize(fd, len(body))
-                writer = shm.PageWriter(fd)
-                writer.add(memoryview(body))
-                writer.flush()
-            finally:
-                os.close(fd)
-        except OSError as exc:  # as a single fetch: a full tmpfs is a clear error
-            shm.unlink(tmp)
-            raise CapacityError(
-                f"cannot cache {stream.key} steps {steps[0]}+{len(steps)} in {self.config.root}: {exc}; the tmpfs is full"
-            ) from exc
-        stream.step_bytes = len(body) // len(steps)
-        return self._publish(stream, steps[0], tmp, final, len(body), len(steps))
+                check_run(body, steps)
+            except (ValueError, pa.ArrowException) as exc:
+                raise TransportError(f"{what} from {server}: {exc}") from exc
+            final = stream.directory / step_file(steps[0])
+            tmp = shm.tmp_path(final)
+            try:
+                fd = shm.open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                try:
+                    shm.presize(fd, len(body))
+                    writer = shm.PageWriter(fd)
+                    writer.add(memoryview(body))
+                    writer.flush()
+                finally:
+                    os.close(fd)
+            except OSError as exc:  # as a single fetch: a full tmpfs is a clear error
+                shm.unlink(tmp)
+                raise CapacityError(f"cannot cache {what} in {self.config.root}: {exc}; the tmpfs is full") from exc
+            stream.step_bytes = len(body) // len(steps)
+            return self._publish(res, tmp, final, len(body), len(steps))
 
     async def _download(self, stream: Stream, step: int, tmp: Path, final: Path) -> CachedFile:
         """Fetch ``step`` from the data server its turn falls to, or at once from the next one
@@ -550,59 +613,79 @@ class DataCache:
     async def _download_from(self, server: str, stream: Stream, step: int, tmp: Path, final: Path) -> CachedFile:
         assert self._session is not None
         url = f"{server}/v1/jobs/{stream.job}/batches"
-        token = stream.token or self.token
-        headers = bearer(token)
+        headers = bearer(stream.token or self.token)
         params = {"dp_rank": str(stream.dp_rank), "start": str(step), "count": "1"}
         stream.requests += 1
-        nbytes = 0
-        try:
-            async with self._session.get(url, params=params, headers=headers) as resp:
-                if resp.status != 200:
-                    detail = (await resp.text())[:500]
-                    raise error_from(resp.status, f"data server answered {resp.status} for {stream.key} step {step}: {detail}")
-                need = resp.content_length if resp.content_length is not None else self._step_estimate(stream)
-                stream.step_bytes = need
-                self._make_room(stream, step, need)
-                try:
+        # Every byte is counted before it is written: the announced size up front, or, for a body
+        # sent without one (a step over 16 MiB is streamed), what has arrived, chunk by chunk.
+        with self._reservation(stream, step) as res:
+            try:
+                async with self._session.get(url, params=params, headers=headers) as resp:
+                    if resp.status != 200:
+                        detail = (await resp.text())[:500]
+                        raise error_from(resp.status, f"data server answered {resp.status} for {stream.key} step {step}: {detail}")
+                    res.size = resp.content_length
+                    if res.size is not None:
+                        stream.step_bytes = res.size
+                        await self._hold(res, res.size)
+                    received = 0
+
+                    async def before_write(n: int) -> None:
+                        nonlocal received
+                        received += n
+                        if res.size is None:  # what a step is at least, for the prefetch's estimate
+                            stream.step_bytes = max(stream.step_bytes, received)
+                        await self._hold(res, received)
+                        if self.gate is not None:
+                            await self._admit(res, n)
+
                     fd = shm.open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                     try:
-                        shm.presize(fd, resp.content_length or 0)
-                        nbytes = await _copy_body(resp, fd, None if self.gate is None else lambda n: self._admit(stream, step, n))
+                        shm.presize(fd, res.size or 0)
+                        nbytes = await _copy_body(resp, fd, before_write)
                     finally:
                         os.close(fd)
-                finally:
-                    self._reserved -= need
-                if resp.content_length is not None and nbytes != resp.content_length:
-                    raise TransportError(f"{stream.key} step {step}: body of {nbytes} bytes, Content-Length said {resp.content_length}")
-        except aiohttp.ClientError as exc:
-            shm.unlink(tmp)
-            raise TransportError(f"cannot fetch {stream.key} step {step} from {server}: {exc}") from exc
-        except OSError as exc:  # ENOSPC: the tmpfs is full — a clear error, not a dropped reader
-            shm.unlink(tmp)
-            raise CapacityError(f"cannot cache {stream.key} step {step} in {self.config.root}: {exc}; the tmpfs is full") from exc
-        except FFPlaneError:
-            shm.unlink(tmp)
-            raise
-        return self._publish(stream, step, tmp, final, nbytes)
+                    if res.size is not None and nbytes != res.size:
+                        raise TransportError(f"{stream.key} step {step}: body of {nbytes} bytes, Content-Length said {res.size}")
+            except aiohttp.ClientError as exc:
+                shm.unlink(tmp)
+                raise TransportError(f"cannot fetch {stream.key} step {step} from {server}: {exc}") from exc
+            except OSError as exc:  # ENOSPC: the tmpfs is full — a clear error, not a dropped reader
+                shm.unlink(tmp)
+                raise CapacityError(f"cannot cache {stream.key} step {step} in {self.config.root}: {exc}; the tmpfs is full") from exc
+            except BaseException:
+                shm.unlink(tmp)
+                raise
+            stream.step_bytes = nbytes
+            return self._publish(res, tmp, final, nbytes)
 
-    def _publish(self, stream: Stream, first: int, tmp: Path, final: Path, nbytes: int, count: int = 1) -> CachedFile:
-        """A file of ``count`` steps from ``first``, written whole under ``tmp``, becomes ``final``
-        and is recorded."""
+    def _publish(self, res: _Reservation, tmp: Path, final: Path, nbytes: int, count: int = 1) -> CachedFile:
+        """A file of ``count`` steps from ``res.step``, written whole under ``tmp``, becomes
+        ``final`` and is recorded; the fetch's room becomes the file's in the same breath."""
+        stream = res.stream
         shm.publish(tmp, final)
         record: dict[str, Any] = {"file": str(final.relative_to(self.config.root)), "nbytes": nbytes}
         if count > 1:
             record["steps"] = count
-        self.index.put(_index_key(stream.job, stream.dp_rank, first), record)
+        self.index.put(_index_key(stream.job, stream.dp_rank, res.step), record)
         self.bytes_fetched += nbytes
-        return CachedFile(final, nbytes, first, count)
+        cached = CachedFile(final, nbytes, res.step, count)
+        stream.add(cached)
+        self._release(res)
+        return cached
 
-    async def _admit(self, stream: Stream, step: int, nbytes: int) -> None:
+    async def _admit(self, res: _Reservation, nbytes: int) -> None:
         assert self.gate is not None
+        stream, step = res.stream, res.step
 
         def needed() -> bool:  # asked again while it waits: a prefetch becomes the next batch
             return bool(stream.readers) and step <= max(stream.readers.values()) + 1
 
-        await self.gate.acquire(Priority.NEXT_BATCH if needed() else Priority.PREFETCH, nbytes, critical=needed)
+        def urgent() -> bool:  # (a prefetch whose room was taken back goes through, to stop)
+            return needed() or res.preempted
+
+        await self.gate.acquire(Priority.NEXT_BATCH if needed() else Priority.PREFETCH, nbytes, critical=urgent)
+        await self._hold(res, res.nbytes)  # stop here if its room was taken back while it waited
 
     def invalidate(self, stream: Stream, step: int) -> None:
         """Drop a cached step a reader found stale (planned before a new generation): the file

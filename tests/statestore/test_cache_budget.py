@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dataserver.ingest import IngestConfig, ingest
-from tests._servers import TOKEN, Proc
+from tests._servers import TOKEN, Proc, until
 from tests.conftest import create_job
 from trainer_client import CapacityError, DataLoader
 
@@ -65,3 +67,86 @@ def test_a_step_larger_than_the_budget_is_a_clear_error(dataserver: Proc, start_
         next(iter(DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock")))
     assert httpx.get(daemon.url + "/v1/cache").json()["bytes"] == 0  # before: 2 MiB cached against 1
     assert "data server failing" not in daemon.log()  # room short here is not the server's fault (before: passed over)
+
+
+def _wide_dataset(data_dir: Path, rows: int) -> None:
+    """A dataset ``wide`` of ``rows`` rows of 1 MiB, added to the served folder (the data
+    server's catalog opens a dataset when a job first asks for it)."""
+    table = pa.table({"tokens": pa.array(list(np.arange(rows * 16 * ROW_INTS, dtype=np.int32).reshape(rows, 16 * ROW_INTS)))})
+    pq.write_table(table, data_dir.parent / "wide.parquet")
+    ingest(IngestConfig([data_dir.parent / "wide.parquet"], data_dir / "wide", progress=False))
+
+
+def _folder_bytes(folder: Path) -> int:
+    """Bytes of every file under ``folder`` now, those being written included."""
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            total += path.stat().st_size if path.is_file() else 0
+        except FileNotFoundError:  # unlinked while listed
+            pass
+    return total
+
+
+def test_steps_over_16_mib_stay_within_the_budget(
+    data_dir: Path, dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    # Steps over 16 MiB come without a Content-Length (the data server streams them): the cache
+    # reserved its estimate of their size, nothing for a stream's first steps, and wrote them whole.
+    _wide_dataset(data_dir, 40)
+    create_job(dataserver, dataset="wide", dp=2, batch_per_rank=20, max_steps=5)  # ~20 MiB steps
+    daemon = start_daemon("--budget-mb", "64")
+    sizes: list[int] = []
+    reading = threading.Event()
+
+    def sample() -> None:
+        while not reading.is_set():
+            sizes.append(_folder_bytes(shm_root / "j1" / "data"))
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, name="sample cache folder")
+    sampler.start()
+    try:
+        loaders = [DataLoader("j1", r, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock") for r in (0, 1)]
+        got = [(int(a["tokens"][0, 0]), int(b["tokens"][0, 0])) for a, b in zip(*loaders)]
+        for loader in loaders:
+            loader.close()
+    finally:
+        reading.set()
+        sampler.join()
+    assert len(got) == 5
+    cache = httpx.get(daemon.url + "/v1/cache").json()
+    budget = 64 << 20
+    assert max(sizes) <= budget, f"{max(sizes) / 2**20:.1f} MiB on disk against a budget of 64 MiB"
+    assert max(sizes) <= cache["peak_bytes"] <= budget, (max(sizes), cache["peak_bytes"])
+
+
+def test_a_streamed_step_larger_than_the_budget_is_a_clear_error(
+    data_dir: Path, dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    _wide_dataset(data_dir, 20)
+    create_job(dataserver, dataset="wide", dp=1, batch_per_rank=20, max_steps=2)  # ~20 MiB steps, sent without a size
+    daemon = start_daemon("--budget-mb", "16")
+    with pytest.raises(CapacityError, match=r"step 0 of j1/0 \(over 1\d\.\d MiB\) does not fit in the daemon's budget of 16.0 MiB"):
+        next(iter(DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock")))
+    cache = httpx.get(daemon.url + "/v1/cache").json()
+    # before: the step cached whole, 20 MiB against 16, and read
+    assert cache["bytes"] == 0 and cache["peak_bytes"] <= 16 << 20 and _folder_bytes(shm_root / "j1" / "data") == 0, cache
+
+
+@pytest.mark.parametrize("rows", [1, 16])  # 64 KiB steps, fetched in runs; 1 MiB steps, one by one
+def test_the_end_of_a_job_is_logged_once_a_stream(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path, rows: int) -> None:
+    create_job(dataserver, dp=2, batch_per_rank=rows, max_steps=20)
+    daemon = start_daemon("--window", "8")
+    for rank in (0, 1):
+        loader = DataLoader("j1", rank, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock")
+        assert sum(1 for _ in loader) == 20
+        loader.close()
+    streams = until(lambda: [s for s in httpx.get(daemon.url + "/v1/cache").json()["streams"] if not s["fetching"]], what="fetches done")
+    assert [s["end_step"] for s in streams] == [20, 20], streams
+    time.sleep(0.3)  # (a prefetch past the end would be logged by now)
+    lines = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
+    ends = [e for e in lines if e["logger"] == "statestore.data_cache" and e["level"] != "debug" and "416" in e.get("error", "")]
+    # before: a line for every fetch past the end (runs: 16 a stream, the run and its steps one by
+    # one; single steps: 3 a stream, the prefetches in flight)
+    assert sorted(e["dp_rank"] for e in ends) == [0, 1], [(e["msg"], e["dp_rank"], e["step"]) for e in ends]
