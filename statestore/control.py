@@ -149,7 +149,9 @@ class ControlServer:
         if isinstance(req, proto.Verify):
             bad = await self.state.verify(req.job, req.step, req.roles)
             return proto.VerifyReply(not bad, bad)
-        return proto.Done()  # Ping
+        if isinstance(req, proto.Bye) and self.heartbeat is not None:
+            self.heartbeat.worker_ending(conn.pid)
+        return proto.Done()  # Ping, Bye
 
     def _reserve(self, job: str, role: str, conn: _Conn) -> proto.Grant | None:
         """The slot for this role's next save, handed out with the commit reply: the save then

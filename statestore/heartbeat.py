@@ -58,6 +58,7 @@ class Heartbeat:
         self.replicas = replicas
         self.workers: dict[int, dict[str, Any]] = {}  # connection id → {pid, job, role|dp_rank}
         self._gone: deque[Any] = deque(maxlen=256)  # pids reported exited (pids are reused, eventually)
+        self._ending: deque[int] = deque(maxlen=256)  # pids that said they end cleanly (control 'bye')
         self._exited: list[dict[str, Any]] = []
         self._now = asyncio.Event()
         self.view: dict[str, Any] = {}
@@ -65,9 +66,16 @@ class Heartbeat:
         self.answered_at: float | None = None  # when the coordinator last answered a beat (for /readyz)
         self._last_warning = 0.0
 
+    def worker_ending(self, pid: int) -> None:
+        """Process ``pid`` said it ends cleanly (exit code 0, no unhandled exception): its exit is
+        no failure. A pid this daemon cannot see (0: another pid namespace) is not recorded."""
+        if pid > 0 and pid not in self._ending:
+            self._ending.append(pid)
+
     def worker_gone(self, info: dict[str, Any]) -> None:
         """A local worker's connection closed and its process is gone: tell the coordinator now,
-        once per process (a worker has a connection for its DataLoader and one for its state)."""
+        once per process (a worker has a connection for its DataLoader and one for its state),
+        unless it said it ended cleanly — the end of a job is no failure to list."""
         pid = info.get("pid")
         for rid, other in list(self.workers.items()):
             if other.get("pid") == pid:  # its other connections: one report names all it did
@@ -76,6 +84,10 @@ class Heartbeat:
         if pid in self._gone:
             return
         self._gone.append(pid)
+        if isinstance(pid, int) and pid in self._ending:
+            self._ending.remove(pid)
+            log.info("worker ended cleanly", extra={"worker": info})
+            return
         self._exited.append(info)
         self._now.set()
 

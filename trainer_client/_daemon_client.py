@@ -12,6 +12,7 @@ from typing import Any
 from dataserver.protocol.errors import FFTimeoutError, TransportError
 from statestore.protocol import files
 from statestore.protocol.control import Request, decode_reply, encode
+from trainer_client import _goodbye
 
 _COLLECT_AFTER = 32  # unread replies (~100 bytes each) before send() collects the arrived ones
 
@@ -31,6 +32,7 @@ class DaemonClient:
             ) from exc
         self._file = self._sock.makefile("rb")
         self.root = Path(socket_path).parent
+        _goodbye.watch(socket_path)  # a clean exit of this process is then no failure to the daemon
         self._unread: deque[Request] = deque()  # sent with send(), replies read before the next call's
 
     def send(self, msg: Request) -> None:

@@ -253,7 +253,16 @@ class Ping(Request, op="ping", reply=Done):
     """Is the daemon there? (Answered with ``Done``.)"""
 
 
-REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (Open, Get, Invalidate, Alloc, Begin, Abort, Commit, Restorable, Verify, Ping)}
+@dataclass(frozen=True)
+class Bye(Request, op="bye", reply=Done):
+    """The sending process is ending cleanly (its interpreter exits with no unhandled exception):
+    when it is gone, the daemon does not report it to the coordinator as a failed worker. Sent on
+    a connection of its own, answered before the process exits."""
+
+
+REQUESTS: dict[str, type[Request]] = {
+    cls.op: cls for cls in (Open, Get, Invalidate, Alloc, Begin, Abort, Commit, Restorable, Verify, Ping, Bye)
+}
 
 
 def encode(message: Request | Any) -> bytes:
