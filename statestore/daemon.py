@@ -133,6 +133,7 @@ class Daemon:
         cache.other_bytes = lambda: slots.slot_bytes() + replicas.held_bytes()
         versions = slots.reattach()
         held = replicas.reattach()
+        self._fit_budget(budget)
         shm.check_room(root, budget, already_ours=cache.cached_bytes() + slots.slot_bytes() + replicas.held_bytes())
         self.huge_pages = shm.huge_pages(root)
         if self.huge_pages not in ("within_size", "always"):
@@ -152,6 +153,29 @@ class Daemon:
                 "dropped": dropped,
                 "stale_tmp": stale,
             },
+        )
+
+    def _fit_budget(self, budget: int) -> None:
+        """A root reattached under a smaller ``--budget-mb`` than it holds: cached data steps go
+        (they are fetched again when read), said in one line; checkpoint slots and replicas are
+        never dropped to fit, so a budget below them is refused, naming what they hold."""
+        assert self.cache is not None and self.slots is not None and self.replicas is not None
+        state = self.slots.slot_bytes() + self.replicas.held_bytes()
+        cached = self.cache.cached_bytes()
+        if cached + state <= budget:
+            return
+        mib = 1 << 20
+        if state > budget:
+            raise shm.ShmError(
+                f"{self.config.root} holds {self.slots.slot_bytes() / mib:.0f} MiB of checkpoint slots and "
+                f"{self.replicas.held_bytes() / mib:.0f} MiB of replicas, more than --budget-mb {budget // mib}: start with "
+                f"--budget-mb {-(-state // mib)} or more (the checkpoints are kept), or empty the root to start without them"
+            )
+        dropped = self.cache.shrink(budget - state)
+        log.warning(
+            f"the root held {(cached + state) / mib:.0f} MiB, more than --budget-mb {budget // mib}: dropped {dropped / mib:.0f} MiB "
+            "of cached data steps (fetched again when read); checkpoint slots and replicas kept",
+            extra={"root": str(self.config.root), "budget_bytes": budget, "dropped_bytes": dropped, "state_bytes": state},
         )
 
     async def start(self) -> None:

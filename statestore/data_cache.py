@@ -222,6 +222,13 @@ class DataCache:
         self.peak_bytes = max(self.peak_bytes, self.cached_bytes())
         return kept, dropped
 
+    def shrink(self, to_bytes: int) -> int:
+        """Drop cached files no reader is on until the cache holds at most ``to_bytes``; the
+        bytes dropped."""
+        before = self.cached_bytes()
+        self._evict_victims(lambda: self.cached_bytes() <= to_bytes)
+        return before - self.cached_bytes()
+
     def cached_bytes(self) -> int:
         """Bytes the cache holds: its files, and the room of the fetches under way."""
         return sum(s.nbytes() for s in self.streams.values()) + sum(r.nbytes for r in self._reservations)

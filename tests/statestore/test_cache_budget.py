@@ -13,11 +13,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from dataserver.ingest import IngestConfig, ingest
 from tests._servers import TOKEN, Proc, until
 from tests.conftest import create_job
-from trainer_client import CapacityError, DataLoader
+from trainer_client import CapacityError, Checkpointer, DataLoader
 
 ROW_INTS = 16384  # 64 KiB a row: a step of 16 rows is 1 MiB
 
@@ -150,3 +151,37 @@ def test_the_end_of_a_job_is_logged_once_a_stream(dataserver: Proc, start_daemon
     # before: a line for every fetch past the end (runs: 16 a stream, the run and its steps one by
     # one; single steps: 3 a stream, the prefetches in flight)
     assert sorted(e["dp_rank"] for e in ends) == [0, 1], [(e["msg"], e["dp_rank"], e["step"]) for e in ends]
+
+
+def test_a_restart_under_a_smaller_budget_drops_cached_steps_said_once_and_refuses_to_drop_checkpoints(
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    """Before: a root holding more than the new --budget-mb was reattached silently, over budget."""
+    create_job(dataserver, dp=1, batch_per_rank=16, max_steps=16)  # 1 MiB steps
+    daemon = start_daemon("--budget-mb", "32", "--window", "8")
+    loader = iter(DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock"))
+    for _ in range(3):
+        next(loader)
+    until(lambda: httpx.get(daemon.url + "/v1/cache").json()["bytes"] >= 8 << 20, what="the window prefetched")
+    ck = Checkpointer("j1", socket_path=shm_root / "daemon.sock")
+    ck.save(2, {"w": torch.ones(1 << 18)})  # 1 MiB a slot
+    ck.close()
+    state = httpx.get(daemon.url + "/v1/state").json()
+    held = state["memory"]["slots_bytes"] + state["memory"]["replicas_bytes"]
+    daemon.stop()
+
+    smaller = -(-(held + (2 << 20)) // (1 << 20))  # the checkpoints and 2 MiB more
+    daemon = start_daemon("--budget-mb", str(smaller), "--window", "8")
+    assert httpx.get(daemon.url + "/v1/cache").json()["bytes"] <= 2 << 20
+    said = [line for line in daemon.log().splitlines() if "more than --budget-mb" in line]
+    assert len(said) == 1 and "dropped" in said[0] and "checkpoint slots and replicas kept" in said[0], said
+    got = Checkpointer("j1", socket_path=shm_root / "daemon.sock").restore()
+    assert got is not None and got.step == 2
+    daemon.stop()
+
+    with pytest.raises(RuntimeError) as refused:  # below what the checkpoints hold: refused, nothing dropped
+        start_daemon("--budget-mb", str(held // (1 << 20) - 1))
+    assert "of checkpoint slots" in str(refused.value) and "Traceback" not in str(refused.value)
+    start_daemon("--budget-mb", str(smaller))
+    got = Checkpointer("j1", socket_path=shm_root / "daemon.sock").restore()
+    assert got is not None and got.step == 2
