@@ -30,6 +30,7 @@ from statestore.latencies import Latencies
 from statestore.link_gate import LinkGate
 from statestore.metrics import registry_for
 from statestore.protocol.files import HINTS_DIR
+from statestore.protocol.warm import readiness, warm_dir
 from statestore.rebuild import QUARANTINE, Rebuilt, rebuild, set_aside
 from statestore.replicas import ReplicaStore
 from statestore.ring import Replicator
@@ -359,6 +360,4 @@ def create_app(daemon: Daemon) -> FastAPI:
 def _warm() -> dict[str, Any]:
     """This node's warm-start zygotes (``trainer_client.warm_start``, same user): a warm spare is
     one with a zygote ready."""
-    from trainer_client.warm_start import readiness, warm_dir
-
     return readiness(warm_dir())

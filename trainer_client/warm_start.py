@@ -48,7 +48,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-DIR_ENV = "FFPLANE_WARM_DIR"
+from statestore.protocol.warm import warm_dir, zygotes
+
 PRELOAD_ENV = "FFPLANE_WARM_PRELOAD"
 IDLE_ENV = "FFPLANE_WARM_IDLE_S"
 _LEN = struct.Struct("!I")
@@ -57,10 +58,6 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, sign
 
 class WarmStartError(RuntimeError):
     """The zygote could not run the worker; the message says why."""
-
-
-def warm_dir() -> Path:
-    return Path(os.environ.get(DIR_ENV) or f"/dev/shm/ffplane-warm-{os.getuid()}")
 
 
 def socket_path() -> Path:
@@ -76,38 +73,6 @@ def socket_path() -> Path:
     python = os.path.realpath(sys.executable)
     key = hashlib.sha1(f"{python}|{sys.prefix}|{sys.version}|{origin}|{stamp}".encode()).hexdigest()[:12]
     return warm_dir() / f"z-{key}.sock"  # short: a socket path has at most 107 bytes
-
-
-def zygotes(directory: Path) -> list[int]:
-    """The running zygotes of ``directory``."""
-    return [pid for pid, _ in _live(directory)]
-
-
-def readiness(directory: Path) -> dict[str, Any]:
-    """The zygotes of ``directory``: how many have torch imported (``ready``) and how many are
-    still importing it (``starting``), which is what a warm spare's readiness is."""
-    ready = 0
-    live = _live(directory)
-    for pid, pidfile in live:
-        try:
-            ready += json.loads(pidfile.with_suffix(".ready").read_text())["pid"] == pid
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # still importing (or a marker left by a dead zygote with this name)
-    return {"dir": str(directory), "ready": ready, "starting": len(live) - ready}
-
-
-def _live(directory: Path) -> list[tuple[int, Path]]:
-    """(pid, pid file) of each running zygote of ``directory``."""
-    found = []
-    for pidfile in directory.glob("*.pid"):
-        try:
-            pid = int(pidfile.read_text())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue  # gone already
-        if b"trainer_client.warm_start" in cmdline and str(pidfile.with_suffix(".sock")).encode() in cmdline:
-            found.append((pid, pidfile))
-    return found
 
 
 def stop(directory: Path) -> None:
