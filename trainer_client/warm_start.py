@@ -335,6 +335,9 @@ class _Zygote:
             code = _run([str(a) for a in request["argv"]])
         except BaseException:  # noqa: BLE001 - the worker's own traceback, as python would print it
             traceback.print_exc()
+            # as the interpreter does for an unhandled exception: exit hooks see a crash (a
+            # worker's "bye" to its daemons is for clean ends only)
+            sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
         finally:
             try:
                 atexit._run_exitfuncs()
