@@ -264,6 +264,14 @@ class StateService:
                 "corrupt": True,
                 "message": "every copy failed its checksum: " + "; ".join(corrupt),
             }
+        if step is not None and (kept := whole_steps(anywhere, layouts)):
+            # a step asked for by number (export, a DCP load) that is no longer kept
+            return await self._durable(
+                job,
+                f"it is no longer kept (each role keeps its newest versions); the steps of job {job!r} that can be "
+                f"restored or exported now: {', '.join(map(str, sorted(kept)))}",
+                step,
+            )
         if not any(have.values()):  # nothing in memory anywhere: a fresh job, one restarted from disk, or one that lost everything
             had = status.get("committed_step")
             reason = (

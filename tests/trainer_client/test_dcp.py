@@ -166,3 +166,20 @@ def test_ffplane_export_writes_a_dcp_directory_and_safetensors_that_stock_torch_
     safetensors = pytest.importorskip("safetensors.torch")
     flat = safetensors.load_file(str(out / "model.safetensors"))
     assert set(flat) == {"w", "b"} and torch.equal(flat["w"], model["w"]) and torch.equal(flat["b"], model["b"])
+
+    writer = DaemonWriter("exp", socket_path=sock)  # newer steps push step 4 out of the kept versions
+    for step in range(5, 9):
+        dcp.save(
+            {"model": model, "optim": {"m": torch.ones(3)}, "meta": {"step": step}}, storage_writer=writer, checkpoint_id=step, no_dist=True
+        )
+    writer.wait()
+    writer.close()
+    gone = subprocess.run(
+        [*ffplane, "export", "exp", "4", str(tmp_path / "gone"), "--socket", str(sock)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    # before: "a node and its ring successor were probably lost together", with newer steps at hand
+    assert gone.returncode != 0 and "no longer kept" in gone.stderr and "exported now: 6, 7, 8" in gone.stderr, gone.stderr
+    assert "lost together" not in gone.stderr and len(gone.stderr.strip().splitlines()) == 1
