@@ -9,7 +9,17 @@ from pathlib import Path
 from dataserver.config import ServeConfig
 from dataserver.protocol.etcd import parse_endpoints
 from dataserver.protocol.limits import MAX_COUNT
-from dataserver.protocol.settings import ConfigError, Number, command_parser, parse, port, port_or_off, positive_seconds, subcommand
+from dataserver.protocol.settings import (
+    ConfigError,
+    Number,
+    command_parser,
+    http_url,
+    parse,
+    port,
+    port_or_off,
+    positive_seconds,
+    subcommand,
+)
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 _SHARD_MB = Number(int, 1, 1 << 20)
@@ -51,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--heartbeat-udp-port", type=port_or_off, default=d.heartbeat_udp_port, help="UDP port for node heartbeats on --host (0: any free port, told to daemons over HTTP; -1: HTTP heartbeats only)")  # fmt: skip
     srv.add_argument("--etcd", default=None, help="etcd members host:port[,host:port...]: job records live there, so several data servers serve the same jobs and one at a time coordinates (a lease); the nodes declared dead are published for torchrun's --rdzv-backend ffplane")  # fmt: skip
     srv.add_argument("--etcd-wait-s", type=positive_seconds, default=d.etcd_wait_s, help="with --etcd: how long the members may not answer at start; then the server refuses to start (exit 2), naming them")  # fmt: skip
-    srv.add_argument("--advertise-url", default=None, help="the URL daemons and the other data servers reach this one at: the leader key (--etcd), /v1/leader, the status page (default http://HOST:PORT)")  # fmt: skip
+    srv.add_argument("--advertise-url", type=http_url, default=None, help="the URL daemons and the other data servers reach this one at: the leader key (--etcd), /v1/leader, the status page (default http://HOST:PORT)")  # fmt: skip
     srv.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, help="least severe log lines written")
     srv.add_argument("--log-format", default="auto", choices=["auto", "text", "json"], help="auto: text on a terminal, JSON lines otherwise")  # fmt: skip
     return p

@@ -14,7 +14,8 @@ wrong type and a file that is not UTF-8.
 Every numeric flag's ``type=`` is a ``Number``: its range, checked where a value enters (the flag,
 the variable and the file all go through it), so ``nan``, ``inf`` and a port of 99999 are refused
 in one line naming their source, never found later by the server. The ranges shared by every
-command are declared here once (``port``, ``positive_seconds``, ...).
+command are declared here once (``port``, ``positive_seconds``, ...), as is the form of a URL a
+server advertises (``http_url``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from dataserver.protocol.limits import MAX_STEP
 
@@ -35,6 +38,7 @@ __all__ = [
     "Number",
     "command_parser",
     "env_name",
+    "http_url",
     "nonneg_int",
     "nonneg_rate",
     "nonneg_seconds",
@@ -104,6 +108,31 @@ nonneg_int = Number(int, 0, _INT_MAX)
 positive_seconds = Number(float, 0, _SECONDS_MAX, above=True, unit="seconds")
 nonneg_seconds = Number(float, 0, _SECONDS_MAX, unit="seconds")
 nonneg_rate = Number(float, 0, 1e9, unit="Mbit/s")
+
+
+_HOST = re.compile(r"^([A-Za-z0-9_.-]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)$")  # a name, an IPv4 or (between brackets) an IPv6 address
+_URL_FORM = "an http:// or https:// URL with a host and a port, like http://10.0.0.1:8470"
+
+
+def http_url(raw: str) -> str:
+    """An argparse ``type=``: ``http(s)://HOST:PORT`` (a trailing ``/`` dropped), the port given
+    and in 1..65535, the host one others can reach (not 0.0.0.0 or ::); anything else (no scheme,
+    no port, a path, a query, credentials) is an ``ArgumentTypeError`` naming the form."""
+    text = raw.strip()
+    try:
+        url = urlsplit(text)
+        host, port = url.hostname, url.port
+    except ValueError:  # a port that is no number or out of range, a bracketed host that is no IPv6
+        raise argparse.ArgumentTypeError(f"expected {_URL_FORM}, got {raw!r}") from None
+    if url.scheme not in ("http", "https") or not host or not _HOST.match(host) or port is None or not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected {_URL_FORM}, got {raw!r}")
+    if url.path not in ("", "/") or url.query or url.fragment or url.username is not None or text.endswith(("?", "#")):
+        raise argparse.ArgumentTypeError(f"expected {_URL_FORM} (no path, query or credentials), got {raw!r}")
+    if host in ("0.0.0.0", "::"):
+        raise argparse.ArgumentTypeError(
+            f"expected {_URL_FORM}, got {raw!r}: {host} is where a server listens, not an address others reach"
+        )
+    return text.rstrip("/")
 
 
 class _Parser(argparse.ArgumentParser):

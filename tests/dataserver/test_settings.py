@@ -211,3 +211,49 @@ def test_a_config_file_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path) -
     r = _run("statestore", ["--config", str(tmp_path / "c.toml"), "serve", "--dataserver", "http://127.0.0.1:9", "--root", str(tmp_path)])
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "c.toml is not UTF-8" in r.stderr, r.stderr
+
+
+_BAD_URLS = [
+    "10.0.0.1:8470",  # no scheme
+    "http://10.0.0.1",  # no port
+    "ftp://h:8470",
+    "http://h:0",
+    "http://h:99999",
+    "http://h:port",
+    "http://:8470",  # no host
+    "http://0.0.0.0:8470",  # where it listens, not where it is reached
+    "http://[::]:8470",
+    "http://h:8470/ds",
+    "http://h:8470?x=1",
+    "http://user:pw@h:8470",
+    "http://h x:8470",
+    "",
+]
+
+
+@pytest.mark.parametrize("raw", _BAD_URLS)
+def test_an_advertise_url_that_is_no_http_url_with_a_host_and_a_port_is_refused_in_one_line(tmp_path: Path, raw: str) -> None:
+    r = _run("dataserver", ["serve", "--data-dir", str(tmp_path), "--port", "0", "--advertise-url", raw], cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--advertise-url" in r.stderr and repr(raw) in r.stderr and "http://10.0.0.1:8470" in r.stderr, r.stderr
+
+
+def test_an_advertise_url_from_the_environment_or_a_file_is_checked_the_same_way(tmp_path: Path) -> None:
+    argv = ["serve", "--data-dir", str(tmp_path), "--port", "0"]
+    r = _run("dataserver", argv, {"FFPLANE_DATASERVER_ADVERTISE_URL": "dataserver:8470"}, cwd=tmp_path)
+    assert r.returncode == 2 and "$FFPLANE_DATASERVER_ADVERTISE_URL" in r.stderr and "'dataserver:8470'" in r.stderr, r.stderr
+    (tmp_path / "c.toml").write_text('[dataserver.serve]\nadvertise_url = "http://dataserver"\n')
+    r = _run("dataserver", ["--config", str(tmp_path / "c.toml"), *argv], cwd=tmp_path)
+    assert r.returncode == 2 and "[dataserver.serve] advertise_url" in r.stderr and "'http://dataserver'" in r.stderr, r.stderr
+
+
+def test_a_good_advertise_url_is_taken_without_its_trailing_slash() -> None:
+    def url(raw: str) -> str:
+        value: str = parse(dataserver_parser(), ["serve", "--data-dir", ".", "--advertise-url", raw]).advertise_url
+        return value
+
+    assert url("http://10.0.0.1:8470/") == "http://10.0.0.1:8470"
+    assert url("https://ds.example.com:443") == "https://ds.example.com:443"
+    assert url("http://[fd00::1]:8470") == "http://[fd00::1]:8470"
+    assert url("http://my_dataserver:8470") == "http://my_dataserver:8470"  # a compose service name
