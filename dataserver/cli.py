@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg_s.etcd is not None and not _etcd_answers(cfg_s.etcd, cfg_s.etcd_wait_s):
         return 2
+    if cfg_s.etcd is not None and (cfg_s.advertise_url or cfg_s.port) and _url_coordinated_elsewhere(cfg_s.etcd, cfg_s.url(cfg_s.port)):
+        return 2
     app = create_app(cfg_s, token)
     serve(app, cfg_s.host, cfg_s.port, cfg_s.ready_file, on_bound=lambda port: setattr(cfg_s, "port", port))
     return 0
@@ -155,6 +157,23 @@ def _etcd_answers(endpoints: str, wait_s: float) -> bool:
         print(f"dataserver serve: error: --etcd {endpoints}: {exc}", file=sys.stderr)
         return False
     return True
+
+
+def _url_coordinated_elsewhere(endpoints: str, url: str) -> bool:
+    """Whether another live data server coordinates under this one's URL (the same
+    --advertise-url given twice); if so, says so in one line. Waits up to the coordination lease's
+    TTL for an earlier run of this server, killed, to let its lease run out. (With --port 0 and no
+    --advertise-url the URL is known once bound: a twin found then keeps this one a follower.)"""
+    from dataserver.leadership import twin_leads, twin_refusal
+    from dataserver.protocol.etcd import Etcd, EtcdUnavailable
+
+    try:
+        taken = twin_leads(Etcd(endpoints), url)
+    except (EtcdUnavailable, ValueError):
+        return False  # etcd went away since it answered: the server starts and campaigns when it is back
+    if taken:
+        print(f"dataserver serve: error: {twin_refusal(url)}", file=sys.stderr)
+    return taken
 
 
 if __name__ == "__main__":
