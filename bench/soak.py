@@ -18,7 +18,8 @@ most one lost step each, every batch of the final history the one the failure-fr
 (another takes over; a supervisor restarts it), the node whose agent holds the workers' store lost
 (the ffplane rendezvous keeps no state on it), a worker SIGKILLed and its replacement SIGKILLed
 again once it reports ``restoring``, a worker SIGKILLed as an elastic re-plan (a new generation)
-is posted, and a node lost with its ring successor (with two nodes, both:
+is posted, two warm spares taking over one after the other (the rank-0 node lost, then the other;
+``--rendezvous ffplane``), and a node lost with its ring successor (with two nodes, both:
 the job is launched again on two new nodes and restores from the durable tier, up to
 2 x ``--durable-every`` - 1 steps back (the copy of the newest multiple may be in flight), each
 worker logging that it does; counted apart from the at-most-one-lost-step figure).
@@ -76,10 +77,18 @@ KINDS = (
 # Kinds that need more of the deployment (``--kinds all`` takes them with the rest; see the
 # module docstring): coordinator_kill (--data-servers 2), rendezvous_host_loss (--rendezvous
 # ffplane), kill_during_restore, kill_during_replan and node_and_successor (--durable-every N).
-EXTRA_KINDS = ("coordinator_kill", "rendezvous_host_loss", "kill_during_restore", "kill_during_replan", "node_and_successor")
+EXTRA_KINDS = (
+    "coordinator_kill",
+    "rendezvous_host_loss",
+    "kill_during_restore",
+    "kill_during_replan",
+    "node_and_successor",
+    "spare_takeovers",
+)
 NEEDS = {
     "coordinator_kill": ("data_servers", "--data-servers 2"),
     "rendezvous_host_loss": ("ffplane", "--rendezvous ffplane"),
+    "spare_takeovers": ("ffplane", "--rendezvous ffplane"),
     "node_and_successor": ("durable", "--durable-every N"),
 }
 JOB, REFERENCE = "soak", "reference"
@@ -168,6 +177,8 @@ class Soak(LocalJobs):
             hit = self._replan_and_kill(f"n{self.placement[pos]}")
         elif kind == "node_and_successor":
             hit = self._lose_all(nodes)
+        elif kind == "spare_takeovers":
+            hit = self._spare_takeovers(nodes)
         elif kind == "corrupt_copy":
             hit = self._corrupt_and_kill(pos, nodes)
         elif kind == "damage_index":
@@ -222,6 +233,41 @@ class Soak(LocalJobs):
         self.until(lambda: f"n{new}" in self.status(JOB).get("ring", []))
         nodes[pos] = self.launch(JOB, new, endpoint, JOB)
         self.placement[pos] = new
+        return hit
+
+    def _spare_takeovers(self, nodes: list[TorchrunNode]) -> float:
+        """A warm spare takes the rank-0 node's place (torchrun re-ranks: roles move between
+        nodes), then a second spare the other node's: the loss after a takeover went ~30 steps
+        back when a node re-sent versions of a role it no longer ran. The first loss is in the
+        record as ``takeover_*``; the failure's own figures are the second's."""
+        hit, first = 0.0, {}
+        for stage in range(2):
+            spare_d = len(self.cluster.roots)
+            self.start_daemon(spare_d)
+            self.until(lambda: f"n{spare_d}" in self.status(JOB).get("ring", []))
+            spare = self.launch_spare(JOB, spare_d, nodes)  # returns once its zygote has torch imported
+            now = time.time()
+            if not self.progressed(nodes, max(self.saved_steps(0, JOB).values()) + 2, now):
+                raise RuntimeError(f"the job stopped while a spare joined; logs in {self.work}")
+            if stage == 0:
+                rank0 = next(e["node"] for e in reversed(self.events(JOB)) if e["kind"] == "saved" and e["rank"] == 0)
+                pos = next(i for i, d in enumerate(self.placement) if f"n{d}" == rank0)
+            else:
+                pos = 1 - pos  # the node the first spare did not replace
+            hit = time.time()
+            saved_before = max(self.saved_steps(0, JOB, until=hit).values())
+            nodes[pos].kill()
+            self.cluster.lose_node(self.placement[pos])
+            nodes[pos], self.placement[pos] = spare, spare_d
+            if stage == 0:
+                recovered = self.progressed(nodes, saved_before + 1, hit, timeout_s=self.recovery_timeout_s)
+                restored = [e for e in self.events(JOB) if e["kind"] == "restored" and e["t"] >= hit]
+                lost = steps_lost(saved_before, restored[0]["step"]) if restored else 0
+                first = {"takeover_recovered": recovered, "takeover_steps_lost": lost, "takeover_s": round(time.time() - hit, 2)}
+                if not recovered:
+                    break
+                self._until_redundant()
+        self._note = first
         return hit
 
     def _lose_all(self, nodes: list[TorchrunNode]) -> float:
@@ -387,7 +433,7 @@ class Soak(LocalJobs):
             if not self.progressed(nodes, newest + gap - 1, started):
                 raise RuntimeError(f"the job stopped before failure {i}; logs in {self.work}")
             saved_before = max(self.saved_steps(started, JOB).values())
-            if saved_before >= self.steps - 3:
+            if saved_before >= self.steps - (100 if kind == "spare_takeovers" else 3):  # two spares start during one
                 print(f"  the job is nearly done after {i} failures: raise --steps", flush=True)
                 break
             self._until_redundant()
@@ -396,7 +442,7 @@ class Soak(LocalJobs):
             restored = [e for e in self.events(JOB) if e["kind"] == "restored" and e["t"] >= failed_at]
             # the newest step done when the failure hit (training went on while it was chosen)
             done_before = max(self.saved_steps(started, JOB, until=failed_at).values())
-            rec = {
+            rec: dict[str, Any] = {
                 "kind": kind,
                 "recovered": recovered,
                 "saved_before": done_before,
@@ -409,6 +455,10 @@ class Soak(LocalJobs):
                 rec["durable_warning"] = "from the durable tier" in logs
             rec.update(self._note)
             self._note = {}
+            if "takeover_steps_lost" in rec:  # two losses in one failure: the worse counts
+                rec["steps_lost"] = max(int(rec["steps_lost"] or 0), int(rec["takeover_steps_lost"]))
+                recovered = bool(recovered and rec["takeover_recovered"])
+                rec["recovered"] = recovered
             self.records.append(rec)
             for undo in self._heal:
                 undo()
@@ -536,9 +586,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for kind in kinds:
         if kind in NEEDS and not have[NEEDS[kind][0]]:
             ap.error(f"failure kind {kind} needs {NEEDS[kind][1]}")
-    steps = (
-        args.steps or 21 * args.failures + 60
-    )  # 16.7 steps per failure in a 192-failure run of all eight kinds, redundancy awaited between failures
+    # 16.7 steps per failure in a 192-failure run of all eight kinds, redundancy awaited between
+    # failures; a spare_takeovers failure runs on while two spares start (~80 steps)
+    takeovers = -(-args.failures * kinds.count("spare_takeovers") // max(len(kinds), 1))
+    steps = args.steps or 21 * args.failures + 60 + 80 * takeovers
     work = Path(tempfile.mkdtemp(prefix="ffplane-soak-"))
     soak = Soak(work, steps, args.seed, args.model)
     ok = False

@@ -111,20 +111,21 @@ nonneg_rate = Number(float, 0, 1e9, unit="Mbit/s")
 
 
 _HOST = re.compile(r"^([A-Za-z0-9_.-]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)$")  # a name, an IPv4 or (between brackets) an IPv6 address
-_URL_FORM = "an http:// or https:// URL with a host and a port, like http://10.0.0.1:8470"
+_URL_FORM = "an http:// or https:// URL with a host (and a port, else the scheme's), like http://10.0.0.1:8470"
 
 
 def http_url(raw: str) -> str:
-    """An argparse ``type=``: ``http(s)://HOST:PORT`` (a trailing ``/`` dropped), the port given
-    and in 1..65535, the host one others can reach (not 0.0.0.0 or ::); anything else (no scheme,
-    no port, a path, a query, credentials) is an ``ArgumentTypeError`` naming the form."""
+    """An argparse ``type=``: ``http(s)://HOST[:PORT]`` (a trailing ``/`` dropped), a port in
+    1..65535 (none: the scheme's, as behind a load balancer), the host one others can reach (not
+    0.0.0.0 or ::); anything else (no scheme, a path, a query, credentials) is an
+    ``ArgumentTypeError`` naming the form."""
     text = raw.strip()
     try:
         url = urlsplit(text)
         host, port = url.hostname, url.port
     except ValueError:  # a port that is no number or out of range, a bracketed host that is no IPv6
         raise argparse.ArgumentTypeError(f"expected {_URL_FORM}, got {raw!r}") from None
-    if url.scheme not in ("http", "https") or not host or not _HOST.match(host) or port is None or not 1 <= port <= 65535:
+    if url.scheme not in ("http", "https") or not host or not _HOST.match(host) or (port is not None and not 1 <= port <= 65535):
         raise argparse.ArgumentTypeError(f"expected {_URL_FORM}, got {raw!r}")
     if url.path not in ("", "/") or url.query or url.fragment or url.username is not None or text.endswith(("?", "#")):
         raise argparse.ArgumentTypeError(f"expected {_URL_FORM} (no path, query or credentials), got {raw!r}")

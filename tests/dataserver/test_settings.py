@@ -215,7 +215,6 @@ def test_a_config_file_that_is_not_utf8_is_refused_in_one_line(tmp_path: Path) -
 
 _BAD_URLS = [
     "10.0.0.1:8470",  # no scheme
-    "http://10.0.0.1",  # no port
     "ftp://h:8470",
     "http://h:0",
     "http://h:99999",
@@ -243,9 +242,9 @@ def test_an_advertise_url_from_the_environment_or_a_file_is_checked_the_same_way
     argv = ["serve", "--data-dir", str(tmp_path), "--port", "0"]
     r = _run("dataserver", argv, {"FFPLANE_DATASERVER_ADVERTISE_URL": "dataserver:8470"}, cwd=tmp_path)
     assert r.returncode == 2 and "$FFPLANE_DATASERVER_ADVERTISE_URL" in r.stderr and "'dataserver:8470'" in r.stderr, r.stderr
-    (tmp_path / "c.toml").write_text('[dataserver.serve]\nadvertise_url = "http://dataserver"\n')
+    (tmp_path / "c.toml").write_text('[dataserver.serve]\nadvertise_url = "http://dataserver/ds"\n')
     r = _run("dataserver", ["--config", str(tmp_path / "c.toml"), *argv], cwd=tmp_path)
-    assert r.returncode == 2 and "[dataserver.serve] advertise_url" in r.stderr and "'http://dataserver'" in r.stderr, r.stderr
+    assert r.returncode == 2 and "[dataserver.serve] advertise_url" in r.stderr and "'http://dataserver/ds'" in r.stderr, r.stderr
 
 
 def test_a_good_advertise_url_is_taken_without_its_trailing_slash() -> None:
@@ -255,5 +254,6 @@ def test_a_good_advertise_url_is_taken_without_its_trailing_slash() -> None:
 
     assert url("http://10.0.0.1:8470/") == "http://10.0.0.1:8470"
     assert url("https://ds.example.com:443") == "https://ds.example.com:443"
+    assert url("https://ds.example.com") == "https://ds.example.com"  # the scheme's port (a load balancer)
     assert url("http://[fd00::1]:8470") == "http://[fd00::1]:8470"
     assert url("http://my_dataserver:8470") == "http://my_dataserver:8470"  # a compose service name
