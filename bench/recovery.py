@@ -208,6 +208,7 @@ class SpareSystem(System):
         since = time.time()
         nodes = self.launch_job(job, [0, 1])
         self.wait_steps(job, nodes, 1, since)
+        self.until_warm(nodes)  # restarts are warm from here on
         nodes.append(self.launch_spare(job, 2, nodes))
         self.next_daemon = 3
         out = []
@@ -274,7 +275,8 @@ def spare_rows(repeats: int, keep: bool = False) -> dict[str, Any]:
     for cls in (SpareSystem, System):
         work = Path(tempfile.mkdtemp(prefix="ffplane-recovery-"))
         # room for every failure: a few steps before each, and the steps run while a new spare starts
-        steps = 80 + repeats * 3 * 40 if cls is SpareSystem else 60 + repeats * 2 * 10
+        # (a spare is ready once its zygote has torch imported: ~3 s of steps each)
+        steps = 80 + repeats * 3 * 60 if cls is SpareSystem else 60 + repeats * 2 * 10
         system = SpareSystem(work, steps) if cls is SpareSystem else System(work, steps, None)
         print(f"[{system.name}]", flush=True)
         try:

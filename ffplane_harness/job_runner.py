@@ -22,6 +22,7 @@ from ffplane_harness.etcd_cluster import EtcdCluster
 from ffplane_harness.local_cluster import LocalCluster
 from ffplane_harness.netns import Netns
 from ffplane_harness.torchrun import TorchrunNode
+from statestore.protocol.warm import readiness
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXAMPLE = EXAMPLES / "train_ffplane.py"
@@ -278,6 +279,13 @@ class LocalJobs:
                 raise RuntimeError(f"gave up waiting after {timeout_s}s; logs in {self.work}")
             time.sleep(0.02)
         return time.time()
+
+    def until_warm(self, nodes: list[TorchrunNode], timeout_s: float = 120) -> None:
+        """Until every running node's zygote has torch imported: the first workers start it
+        beside themselves, and a failure before it is ready restarts cold (and on one machine its
+        import takes the cores the restart needs)."""
+        warm = [n.warm_dir for n in nodes if n.warm_dir is not None and n.running()]
+        self.until(lambda: all(readiness(d)["ready"] for d in warm), timeout_s=timeout_s)
 
     def close(self) -> None:
         for node in self.nodes:
