@@ -21,7 +21,7 @@ from ffplane_harness.netns import Netns
 from tests._servers import until
 from trainer_client.rendezvous import EtcdRendezvousBackend, EtcdStore
 
-STEPS = 24
+STEPS = 200  # the spare is launched at step 2, ready (torch imported) seconds later, then its agent joins
 
 
 def test_the_store_and_backend_keep_c10d_and_torch_semantics(etcd: EtcdCluster) -> None:
@@ -57,8 +57,8 @@ def test_a_silenced_rank0_node_is_replaced_by_a_warm_spare_and_the_job_ends_bitw
         since = time.time()
         nodes = jobs.launch_job("frozen", [0, 1])
         jobs.wait_step(nodes, 2, since)
-        spare = jobs.launch_spare("frozen", 2, nodes)
-        jobs.wait_step(nodes, 8, since)
+        spare = jobs.launch_spare("frozen", 2, nodes)  # returns once its zygote is ready; its agent then starts
+        jobs.wait_step(nodes, max(jobs.saved_steps(since).values()) + 12, since)  # its agent waiting in the rendezvous
         assert not [e for e in jobs.events("frozen") if e["node"] == "n2"], "the spare ran workers before any failure"
 
         host = next(e["node"] for e in reversed(jobs.events("frozen")) if e["kind"] == "saved" and e["rank"] == 0)
