@@ -16,8 +16,11 @@ import ctypes
 import json
 import os
 import random
+import signal
 import socket
 import struct
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 _PIDFD_GETFD = 438  # syscall number on x86-64 and arm64
@@ -187,3 +190,14 @@ def bulk_abuse(host: str, port: int, token: str, rng: random.Random, per_kind: i
 def close_all(opened: list[socket.socket]) -> None:
     for s in opened:
         s.close()
+
+
+def kill_newest_worker(newest: Callable[[], int], tries: int = 20) -> None:
+    """SIGKILL the worker ``newest()`` names, asking again (every 0.1 s) while the one it names
+    is already gone; nothing if none is found alive."""
+    for _ in range(tries):
+        try:
+            os.kill(newest(), signal.SIGKILL)
+            return
+        except (ProcessLookupError, StopIteration):
+            time.sleep(0.1)

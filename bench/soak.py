@@ -395,7 +395,10 @@ class Soak(LocalJobs):
             if replica.exists():
                 damage(d, daemon, role["role"], newest, replica)
             hit = time.time()
-            os.kill(victim, signal.SIGKILL)
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:  # it ended as it was chosen (a restart under way): kill the newest live one
+                _faults.kill_newest_worker(lambda: self.worker_pid(f"n{d}", time.time() - 30, JOB))
         finally:
             for pid in frozen:
                 try:
