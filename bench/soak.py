@@ -592,9 +592,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if kind in NEEDS and not have[NEEDS[kind][0]]:
             ap.error(f"failure kind {kind} needs {NEEDS[kind][1]}")
     # 16.7 steps per failure in a 192-failure run of all eight kinds, redundancy awaited between
-    # failures; a spare_takeovers failure runs on while two spares start (~80 steps)
+    # failures; ~30 under the ffplane rendezvous (its agents rejoin at once, training goes on while
+    # the soak waits); a spare_takeovers failure runs on while two spares start (~80 steps)
     takeovers = -(-args.failures * kinds.count("spare_takeovers") // max(len(kinds), 1))
-    steps = args.steps or 21 * args.failures + 60 + 80 * takeovers
+    steps = args.steps or (34 if args.rendezvous == "ffplane" else 21) * args.failures + 60 + 80 * takeovers
     work = Path(tempfile.mkdtemp(prefix="ffplane-soak-"))
     soak = Soak(work, steps, args.seed, args.model)
     ok = False
