@@ -60,7 +60,7 @@ from bench._common import RESULTS  # noqa: E402
 from ffplane_harness.job_runner import MODELS, LocalJobs, steps_lost  # noqa: E402
 from ffplane_harness.torchrun import TorchrunNode  # noqa: E402
 from statestore.slots import version_key  # noqa: E402
-from trainer_client.warm_start import descendants, zygotes  # noqa: E402
+from trainer_client.warm_start import descendants  # noqa: E402
 
 KINDS = (
     "worker_kill",
@@ -143,14 +143,14 @@ class Soak(LocalJobs):
             # a coordinator restarted a moment ago learns the job's nodes from their next full
             # heartbeat; a node it does not know yet cannot be declared dead by it
             self.until(lambda: f"n{d}" in self.status(JOB).get("ring", []), timeout_s=30)
-            frozen = [*_node_pids(nodes[pos]), self.cluster.daemons[self._daemon_slot(d)].pid]
-            for pid in frozen:
-                os.kill(pid, signal.SIGSTOP)
+            daemon_pid = self.cluster.daemons[self._daemon_slot(d)].pid
+            nodes[pos].freeze()
+            os.kill(daemon_pid, signal.SIGSTOP)
             try:
                 self.until(lambda: f"n{d}" in self.status(JOB).get("dead", []), timeout_s=30)
             finally:
-                for pid in frozen:
-                    os.kill(pid, signal.SIGCONT)
+                nodes[pos].thaw()
+                os.kill(daemon_pid, signal.SIGCONT)
         elif kind == "dataserver_restart":
             assert self.cluster.dataserver is not None
             port = int(self.cluster.dataserver.ready["port"])  # type: ignore[call-overload]
@@ -383,9 +383,7 @@ class Soak(LocalJobs):
         worker had just finished the next all-reduce)."""
         d = self.placement[pos]
         victim = self.worker_pid(f"n{d}", time.time() - 30, JOB)
-        frozen = _node_pids(nodes[pos])
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
+        nodes[pos].freeze()
         try:
             daemon = self.cluster.daemons[self._daemon_slot(d)]
             roles = [r for r in self.get(daemon.url + "/v1/state")["roles"] if r["job"] == JOB and r["versions"]]
@@ -400,11 +398,7 @@ class Soak(LocalJobs):
             except ProcessLookupError:  # it ended as it was chosen (a restart under way): kill the newest live one
                 _faults.kill_newest_worker(lambda: self.worker_pid(f"n{d}", time.time() - 30, JOB))
         finally:
-            for pid in frozen:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            nodes[pos].thaw()
         return hit
 
     def get(self, url: str, auth: bool = False) -> dict[str, Any]:
@@ -558,17 +552,6 @@ class Soak(LocalJobs):
         if len(set(ref.values())) != len(ref):
             return False, "the failure-free run served the same batch twice"
         return True, f"{len(want)} batches, each the failure-free run's, none repeated"
-
-
-def _node_pids(node: TorchrunNode) -> list[int]:
-    """A node's torchrun and everything below it, and its zygote and the workers forked from it
-    (after a restart the workers are the zygote's children, not torchrun's: freezing torchrun's
-    tree alone left them training, and a damage kind became a daemon kill with workers running)."""
-    assert node.popen is not None
-    pids = [node.popen.pid, *descendants(node.popen.pid)]
-    for z in zygotes(node.warm_dir) if node.warm_dir is not None else []:
-        pids += [z, *descendants(z)]
-    return pids
 
 
 def durable_bound(every: int) -> int:

@@ -95,11 +95,15 @@ class TorchrunNode:
         argv = [sys.executable, "-m", "trainer_client.warm_start", "--prestart"]
         subprocess.run(self.wrap(argv) if self.wrap else argv, env=env, check=True)
 
-    def freeze(self) -> None:
+    def freeze(self, sig: int = signal.SIGSTOP) -> None:
         """The node's link died without a reset: the agent, its workers and the zygote stopped
-        (SIGSTOP), so peers see silence, not closed connections. ``kill()`` ends them."""
+        (SIGSTOP), so peers see silence, not closed connections (after a restart the workers are
+        the zygote's children, not the agent's). ``kill()`` ends them, ``thaw()`` resumes them."""
         for pid in [*([self.popen.pid] if self.popen else []), *(zygotes(self.warm_dir) if self.warm_dir else [])]:
-            kill_tree(pid, signal.SIGSTOP)
+            kill_tree(pid, sig)
+
+    def thaw(self) -> None:
+        self.freeze(signal.SIGCONT)
 
     def kill(self) -> None:
         """The node is gone: the agent and its workers SIGKILLed together."""

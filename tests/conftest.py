@@ -93,19 +93,25 @@ def shm_root() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A tmpfs mounted ``huge=within_size`` (the recommended daemon root), unmounted after;
-    skipped where it cannot be mounted (not root)."""
-    where = tmp_path / "huge"
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m,huge=within_size", "tmpfs", str(where)], capture_output=True, text=True)
+@contextmanager
+def mounted_tmpfs(where: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted at ``where`` (made if missing) with ``options``, unmounted after; the test
+    is skipped where it cannot be mounted (not root)."""
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
     try:
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture
+def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs mounted ``huge=within_size`` (the recommended daemon root)."""
+    with mounted_tmpfs(tmp_path / "huge", "size=512m,huge=within_size") as where:
+        yield where
 
 
 @contextmanager

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +13,7 @@ import pytest
 
 from ffplane_harness.local_cluster import LocalCluster
 from tests._servers import TOKEN, until
+from tests.conftest import mounted_tmpfs
 
 
 @pytest.fixture
@@ -27,27 +26,16 @@ def cluster(tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
 
 @contextmanager
 def small_tmpfs(cluster: LocalCluster, node: int, mib: int = 48) -> Iterator[Path]:
-    """Node ``node``'s root on a tmpfs of its own of ``mib`` MiB (unmounted after, its daemons
-    killed first), so it can be filled; skipped without root."""
-    where = cluster.root(node)
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700", "tmpfs", str(where)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        for d in list(cluster.daemons):
-            d.kill()
-        subprocess.run(["umount", "-l", str(where)], check=False)
-        for _ in range(20):
-            try:
-                where.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.1)
+    """Node ``node``'s root on a tmpfs of its own of ``mib`` MiB, so it can be filled (its
+    daemons killed before it is unmounted)."""
+    with mounted_tmpfs(cluster.root(node), f"size={mib}m,mode=0700") as where:
+        try:
+            yield where
+        finally:
+            for d in list(cluster.daemons):
+                d.kill()
+    with suppress(OSError):
+        where.rmdir()
 
 
 def fill(where: Path, leave_bytes: int = 0) -> Path:
