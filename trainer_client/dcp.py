@@ -314,6 +314,9 @@ def _value_of(planner: SavePlanner, item: WriteItem) -> Any:
     return lookup(item.index)
 
 
+_READ_ATTEMPTS = 3  # the local slot, the replica, and one more place a rebuilt ring may hold
+
+
 class DaemonReader(StorageReader):
     """A DCP ``StorageReader`` over the node daemon (and, with ``durable_dir`` and no daemon
     answering, over the durable tier). ``checkpoint_id`` picks the step; without one, the newest
@@ -400,10 +403,33 @@ class DaemonReader(StorageReader):
     # --- reading -------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self.step is not None
+        # A copy that fails its checksum is dropped by the daemon, which then serves another
+        # (the replica on the next node): read the plan again from it, as Checkpointer.restore
+        # does. The items already copied from the bad copy are all overwritten by the re-read.
+        for _ in range(_READ_ATTEMPTS):
+            shards = self._read_once(plan, planner)
+            if shards is not None:
+                break
+        else:
+            raise CorruptError(
+                f"every copy of step {self.step} of job {self.job!r} this node could reach failed its checksum "
+                f"({_READ_ATTEMPTS} tried); load an older step (checkpoint_id=...)"
+            )
+        lineages = {lineage_of(sh["header"]) for sh in shards.values()}
+        _lineages[self.job] = next_lineage(min(lineages) if lineages else 0, self.step)
+        self.source = ",".join(sorted({str(sh.get("kind", "")) for sh in shards.values()}))
+        emit("restored", step=self.step, source=self.source)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_once(self, plan: LoadPlan, planner: LoadPlanner) -> dict[str, Any] | None:
+        """Copy the plan's items from the shards the daemon serves now; None if a copy failed
+        its checksum (the daemon has dropped it)."""
+        assert self.step is not None
         needed = sorted({self._where[item.storage_index][0] for item in plan.items})
         shards = self._shards(needed, self.step) if needed else {}
-        lineages = {lineage_of(sh["header"]) for sh in shards.values()}
-        if len(lineages) > 1:
+        if len({lineage_of(sh["header"]) for sh in shards.values()}) > 1:
             raise CorruptError(
                 f"step {self.step} of job {self.job!r} mixes shards of two run segments (a rank committed it before the job "
                 "rewound); load an older step (checkpoint_id=...)"
@@ -417,15 +443,8 @@ class DaemonReader(StorageReader):
                 raise CorruptError(f"{role}'s shard of step {self.step} lacks {key!r}, which its catalogue lists")
             self._read_item(item, value, planner)
         if verify is not None and not verify.result(timeout=self.timeout_s).intact:
-            raise CorruptError(
-                f"a copy of step {self.step} of job {self.job!r} failed its checksum and was dropped; load again to use another copy"
-            )
-        _lineages[self.job] = next_lineage(min(lineages) if lineages else 0, self.step)
-        self.source = ",".join(sorted({str(sh.get("kind", "")) for sh in shards.values()}))
-        emit("restored", step=self.step, source=self.source)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+            return None
+        return shards
 
     def _read_item(self, item: ReadItem, value: Any, planner: LoadPlanner) -> None:
         if item.type == LoadItemType.BYTE_IO:

@@ -127,3 +127,27 @@ def test_a_header_changed_at_rest_is_a_corrupt_copy_and_the_replica_is_restored(
     # before: step 3 with state["step"] == 7, restored as intact, n1's copy never used
     assert got is not None and got.step == 3 and got.state["step"] == 3 and torch.equal(got.state["w"], _state(3)["w"])
     assert "does not match its digest" in cluster.daemons[-1].log()
+
+
+def test_a_dcp_load_whose_local_copy_is_corrupt_reads_the_replica_of_the_same_step(cluster: LocalCluster) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from trainer_client.dcp import DaemonReader, DaemonWriter
+
+    start_ring(cluster, 2)
+    writer = DaemonWriter("job", socket_path=cluster.socket(0))
+    for step in (1, 2, 3):
+        dcp.save({"w": _state(step)["w"]}, storage_writer=writer, checkpoint_id=step, no_dist=True)
+    writer.wait()
+    writer.close()
+    until(lambda: _held_on(cluster, 1, 3) and _known(cluster, 1, 3), what="step 3 replicated to n1, and the coordinator told")
+    slot = next(v for v in daemon_state(cluster, 0)["roles"][0]["versions"] if v["step"] == 3)
+    _flip(cluster.roots[0] / slot["slot"], slot["nbytes"] // 2)
+
+    target = {"w": torch.zeros(200, 129)}
+    reader = DaemonReader("job", socket_path=cluster.socket(0))
+    # before: CheckpointException "a copy of step 3 ... failed its checksum and was dropped; load again"
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    reader.close()
+    assert reader.step == 3 and torch.equal(target["w"], _state(3)["w"])
+    assert 3 not in [v["step"] for v in daemon_state(cluster, 0)["roles"][0]["versions"]]  # the corrupt copy is gone
