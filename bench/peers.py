@@ -59,7 +59,7 @@ from bench._peers import SYSTEMS  # noqa: E402
 from bench._peers.states import STATES, WORLD  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-FFPLANE = ("ffplane", "ffplane_dcp")
+FFPLANE = ("ffplane", "ffplane_dcp", "ffplane_dcp_full")
 
 
 def _free_port() -> int:
@@ -413,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--fsdp2-mib", type=int, default=288)
     p.add_argument("--single-mib", type=int, default=1024)
     p.add_argument("--smoke", action="store_true", help="small states, 1 round, 2 saves")
+    p.add_argument("--keep-logs", type=Path, help="copy every rank's log here (they are removed with the run's folder)")
     p.add_argument("--out", default="peers")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -456,6 +457,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             finally:
                 if not huge:
                     shutil.rmtree(base, ignore_errors=True)
+                if args.keep_logs:
+                    shutil.copytree(logs, args.keep_logs, dirs_exist_ok=True)
         figures = {
             state: {
                 system: (

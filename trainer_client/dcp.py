@@ -160,6 +160,12 @@ def _tight(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def narrow(t: torch.Tensor, offsets: torch.Size | list[int], sizes: torch.Size | list[int]) -> torch.Tensor:
     for dim, (off, n) in enumerate(zip(offsets, sizes)):
         if off != 0 or n != t.shape[dim]:
@@ -171,6 +177,12 @@ class DaemonWriter(StorageWriter, AsyncStager):
     """A DCP ``StorageWriter`` that commits each rank's writes to its node daemon as the step's
     shard. The step comes from ``checkpoint_id`` (see ``step_of``). ``wait()`` blocks until the
     last save is committed; ``close()`` when done.
+
+    Steady state: after one full ``dcp.save``, pass ``no_dist=True`` to the next ones. DCP then
+    runs no collectives (its plans gathered, scattered and the results gathered cost more than
+    the copy on small states); each rank commits its part of the last full save's plan, whose
+    job-wide catalogue the load side reads. Refused, naming the entry, if the state no longer
+    matches that plan: make that save a full one.
 
     It is also ``dcp.async_save``'s stager: the blocking part of an async save is one copy of the
     state into staging tensors allocated on the first save and reused (DCP's default stager
@@ -195,6 +207,7 @@ class DaemonWriter(StorageWriter, AsyncStager):
         self.step: int | None = None
         self._ckpt: Checkpointer | None = None
         self._staging: dict[str, Any] | None = None
+        self._job_plan: tuple[int, int, Catalogue] | None = None  # the last full save's: rank, world, catalogue
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -223,13 +236,47 @@ class DaemonWriter(StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if len(plans) == 1 and _world() > 1:  # dcp.save(..., no_dist=True) in a multi-rank job
+            return [self._steady_plan(plans[0])]
         catalogue = _catalogue(plans)
         return [replace(p, storage_data={"rank": i, "world": len(plans), "catalogue": catalogue}) for i, p in enumerate(plans)]
+
+    def _steady_plan(self, plan: SavePlan) -> SavePlan:
+        """This rank's part of the last full save's plan, for a save without DCP's collectives:
+        the same items (DCP's deduplication of replicated values, taken from that plan), the
+        same job-wide catalogue in the header. Refused if there was no full save, or the state
+        has changed since (an entry added or gone, a chunk of another size)."""
+        if self._job_plan is None:
+            raise FFPlaneError(
+                f"dcp.save(..., no_dist=True) of step {self.step} in a {_world()}-rank job needs the job's plan: make the first "
+                "save a full dcp.save (without no_dist), then no_dist=True reuses its plan"
+            )
+        rank, world, catalogue = self._job_plan
+        sizes = {key: sizes for e in catalogue["tensors"].values() for _, sizes, _, key in e["chunks"]}
+        owner = {key: r for e in catalogue["tensors"].values() for _, _, r, key in e["chunks"]}
+        owner |= {key: r for r, key in catalogue["values"].values()}
+        items, changed = [], []
+        for item in plan.items:
+            key = _key(item.index)
+            if key not in owner:
+                changed.append(f"{key} (new)")
+            elif item.type != WriteItemType.BYTE_IO and item.tensor_data is not None and list(item.tensor_data.chunk.sizes) != sizes[key]:
+                changed.append(f"{key} (a chunk of {list(item.tensor_data.chunk.sizes)}, saved {sizes[key]})")
+            elif owner[key] == rank:
+                items.append(item)
+        missing = sorted({k for k, r in owner.items() if r == rank} - {_key(i.index) for i in items})
+        if changed or missing:
+            raise FFPlaneError(
+                f"dcp.save(..., no_dist=True) of step {self.step}: the state differs from the last full save's plan "
+                f"({', '.join(changed + [f'{k} (gone)' for k in missing])[:300]}); make this save a full dcp.save"
+            )
+        return replace(plan, items=items, storage_data={"rank": rank, "world": world, "catalogue": catalogue})
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.step is not None
         data = plan.storage_data
         rank, world, catalogue = int(data["rank"]), int(data["world"]), data["catalogue"]
+        self._job_plan = (rank, world, catalogue)  # what a no_dist save of the same state reuses
         ckpt = self._checkpointer(rank, world)
         items: dict[str, Any] = {}
         results = []

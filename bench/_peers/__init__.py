@@ -86,6 +86,7 @@ SYSTEMS: dict[str, tuple[str, str]] = {
     "none": ("bench._peers", "NoSave"),
     "ffplane": ("bench._peers.builtin", "FFPlane"),
     "ffplane_dcp": ("bench._peers.builtin", "FFPlaneDCP"),
+    "ffplane_dcp_full": ("bench._peers.builtin", "FFPlaneDCPFull"),
     "torch_save_shm": ("bench._peers.builtin", "TorchSave"),
     "dcp_fs_shm": ("bench._peers.builtin", "DCPFileSystem"),
     "dcp_async": ("bench._peers.builtin", "DCPAsync"),

@@ -84,16 +84,21 @@ class FFPlane(_Daemon):
 
 
 class FFPlaneDCP(_Daemon):
-    """``dcp.save(state, storage_writer=DaemonWriter(job))`` / ``dcp.load(..., DaemonReader(job))``."""
+    """``dcp.save(state, storage_writer=DaemonWriter(job), checkpoint_id=step)``, every save after
+    the first with ``no_dist=True`` (the writer reuses the first save's plan: no DCP collectives);
+    ``dcp.load(..., DaemonReader(job))`` to restore."""
 
     api = "dcp"
+    steady = True
 
     def __init__(self, ctx: Ctx) -> None:
         super().__init__(ctx)
         self.writer = DaemonWriter(ctx.job, socket_path=ctx.config["socket"])
+        self.saves = 0
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        dcp.save(state, storage_writer=self.writer, checkpoint_id=step)
+        dcp.save(state, storage_writer=self.writer, checkpoint_id=step, no_dist=self.steady and self.saves > 0)
+        self.saves += 1
 
     def wait(self) -> None:
         self.writer.wait()
@@ -111,6 +116,13 @@ class FFPlaneDCP(_Daemon):
 
     def close(self) -> None:
         self.writer.close()
+
+
+class FFPlaneDCPFull(FFPlaneDCP):
+    """``FFPlaneDCP`` with DCP's whole protocol on every save (plans gathered and scattered, the
+    results gathered): what a DCP trainer gets without ``no_dist``."""
+
+    steady = False
 
 
 class TorchSave(Peer):

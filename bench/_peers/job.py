@@ -80,6 +80,26 @@ def _allocated(paths: list[Path]) -> int:
     return total
 
 
+def _profiler(phase: str) -> Any:
+    """A running cProfile when ``PEERS_PROFILE`` names ``phase`` (save, restore): where its time
+    goes, printed to the rank's log (``bench/peers.py --keep-logs``)."""
+    if phase not in os.environ.get("PEERS_PROFILE", "").split(","):
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
+
+
+def _report(profile: Any) -> None:
+    if profile is not None:
+        import pstats
+
+        profile.disable()
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(30)
+
+
 def _setup(config: dict[str, Any]) -> tuple[int, int, Any]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -141,9 +161,11 @@ def save(config: dict[str, Any]) -> None:
     main0, cpu0, system_main[0] = time.thread_time(), _cpu(_tree(os.getpid()) + extra), 0.0
     started = 0.0
     step = 1
+    profile = _profiler("save")
     for _ in range(config["saves"]):
         step += 1
         started = one(step, timed=True)
+    _report(profile)
     c0 = time.thread_time()
     p.wait()
     system_main[0] += time.thread_time() - c0
@@ -210,6 +232,7 @@ def restore(config: dict[str, Any]) -> None:
         return
     form = state.dcp if p.api == "dcp" else state.local
     ready_at = time.time()
+    profile = _profiler("restore")
     t0 = time.perf_counter()
     try:
         step = p.restore(form)
@@ -217,6 +240,7 @@ def restore(config: dict[str, Any]) -> None:
     except Exception as exc:  # noqa: BLE001 - how a system fails a restore is the finding
         step, error = None, f"{type(exc).__name__}: {exc}"[:400]
     restore_s = time.perf_counter() - t0
+    _report(profile)
     got = digest(state.local) if step is not None else None
     first_step_at = None
     if step is not None:

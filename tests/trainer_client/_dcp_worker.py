@@ -65,6 +65,14 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, 
     sched.step()
 
 
+def _refusal(save: Any) -> str:
+    try:
+        save()
+    except BaseException as exc:  # noqa: BLE001 - DCP wraps the writer's error in a BaseException; its text counts
+        return str(exc)
+    return "accepted"
+
+
 def main() -> None:
     argv, shape = mesh_args(sys.argv)
     tp, cuda = shape.get("tp", 1), shape.get("cuda", 0)
@@ -76,17 +84,25 @@ def main() -> None:
     state = {"app": AppState(model, opt), "sched": sched, "progress": {"step": 0, "tokens": [0, 1.5]}}
     if mode == "save":
         writer = DaemonWriter("dcp-job", socket_path=sock)
-        steps = int(argv[4])
+        steps, steady = int(argv[4]), "steady" in argv[5:]
+        refusals = []
+        if steady:  # no_dist before any full save: the writer has no job plan to reuse
+            refusals.append(_refusal(lambda: dcp.save(state, storage_writer=writer, checkpoint_id=1, no_dist=True)))
         for step in range(1, steps + 1):
             _train_step(model, opt, sched, step, tp)
             state["progress"] = {"step": step, "tokens": [step * 16, 1.5]}
-            if step < steps:
-                dcp.save(state, storage_writer=writer, checkpoint_id=f"checkpoint/step-{step}")
+            if step < steps or steady:
+                # steady: every save after the first without DCP's collectives, on the first's plan
+                dcp.save(state, storage_writer=writer, checkpoint_id=f"checkpoint/step-{step}", no_dist=steady and step > 1)
             else:
                 dcp.async_save(state, storage_writer=writer, checkpoint_id=f"checkpoint/step-{step}").result()
+        if steady:  # a state with an entry more than the plan's
+            refusals.append(
+                _refusal(lambda: dcp.save({**state, "extra": torch.ones(3)}, storage_writer=writer, checkpoint_id=steps + 1, no_dist=True))
+            )
         writer.wait()
         writer.close()
-        result = {"full": _full(model, opt), "sched": sched.state_dict(), "progress": state["progress"]}
+        result = {"full": _full(model, opt), "sched": sched.state_dict(), "progress": state["progress"], "refusals": refusals}
     else:
         reader = DaemonReader("dcp-job", socket_path=sock)
         dcp.load(state, storage_reader=reader)  # the newest step the whole job can load

@@ -38,6 +38,26 @@ def test_dcp_save_async_save_and_load_round_trip_fsdp2_state_with_stateful_leave
     assert loaded["progress"] == {"step": 3, "tokens": [48, 1.5]}  # a non-tensor value, stored as JSON
 
 
+def test_saves_after_the_first_skip_dcps_collectives_with_no_dist_and_load_bit_for_bit(
+    tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    """``no_dist=True`` after one full save: each rank commits its part of the first save's plan
+    (its deduplicated share, the job-wide catalogue) without DCP's collectives; refused before a
+    full save and when the state no longer matches the plan."""
+    start_daemon()
+    sock = str(shm_root / "daemon.sock")
+    torchrun(tmp_path, _WORKER, "save", sock, str(tmp_path / "saved.pt"), "4", "steady")
+    saved = torch.load(tmp_path / "saved.pt")
+    first, changed = saved["refusals"]
+    assert "needs the job's plan" in first  # before: a world-1 catalogue, committed as a one-rank layout
+    assert "differs from the last full save's plan" in changed and "extra" in changed
+    # step 4, saved with no_dist=True, loads like a full save
+    torchrun(tmp_path, _WORKER, "load", sock, str(tmp_path / "loaded.pt"))
+    loaded = torch.load(tmp_path / "loaded.pt")
+    assert loaded["step"] == 4
+    _same(saved["full"], loaded["full"])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_dcp_round_trips_fsdp2_state_held_on_gpus(tmp_path: Path, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
