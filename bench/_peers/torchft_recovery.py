@@ -14,6 +14,12 @@ committed step, step time and the XXH3 of its model+optimizer bytes) to a log th
 
 The same loop under plain torch DDP over gloo (no torchft) gives the step time and CPU it is read
 against. Everything started here (lighthouse, workers) is SIGKILLed by PID on the way out.
+
+One deviation from stock torchft: ``torchft.DistributedDataParallel``'s comm hook in 0.2.0 asserts
+when the allreduce it waits on fails (``assert fut._fut`` in torchft/ddp.py), so a peer SIGKILLed
+mid-allreduce takes the survivor down with it; the workers use a subclass whose hook hands the
+bucket back instead (the Manager has recorded the error, so that step does not commit).
+``measure(..., stock_hook=True)`` runs torchft's own hook and shows the survivor dying.
 """
 
 from __future__ import annotations
@@ -346,7 +352,7 @@ def _round(job: _FtJob, victim: int) -> dict[str, Any]:
     _wait(lambda: all(s in w.commits() for w in job.workers for s in check), "steps after the heal", job.watched())
     mine, peer = new.commits(), survivor.commits()
     t_first = mine[first]["t"]
-    alone = [e for e in survivor.events if e["ev"] == "step" and t_kill < e["t"] < t_first]
+    tried = [e for e in survivor.events if e["ev"] == "step" and t_kill < e["t"] <= t_first]  # the survivor's attempts meanwhile
     after = [s for s in peer if peer[s]["t"] > t_kill]
     start, manager, recv = new.ev("start"), new.ev("manager"), new.ev("recv")
     return {
@@ -359,8 +365,8 @@ def _round(job: _FtJob, victim: int) -> dict[str, Any]:
         "manager_init_s": manager["t1"] - manager["t0"],
         "steps_lost": max(0, s_kill + 1 - min(after)),  # committed steps the job rolled back
         "survivor_stall_s": peer[min(after)]["t"] - t_kill,  # kill → the survivor's next committed step
-        "survivor_aborted_steps": sum(not e["commit"] for e in alone),  # attempts that did not commit
-        "survivor_steps_alone": sum(e["commit"] for e in alone),  # committed on half the global batch
+        "survivor_aborted_steps": sum(not e["commit"] for e in tried),  # attempts that did not commit
+        "survivor_steps_alone": sum(e["commit"] and e["step"] < first for e in tried),  # on half the global batch
         "verified": all(mine[s]["digest"] == peer[s]["digest"] for s in check),
         "heal_step": first,
         "killed_at_step": s_kill,
