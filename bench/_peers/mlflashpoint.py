@@ -9,7 +9,8 @@ needs one per node) and ``finalize_checkpoint`` drops the step's "unfinished" ma
 barrier and starts an ``rm -rf`` of every older step folder on the node. So a node keeps the newest
 finalized checkpoint (its rank's object, the paired rank's replica, ``common.pt``; ``.metadata`` on
 node 0 only, DCP's coordinator writes it) plus, while a save runs, the one being written: never
-more than two.
+more than two. ``.metadata`` is not replicated: with node 0's folder gone nothing restores, though
+node 1 holds every object (with node 1's gone, node 0's copies restore both ranks).
 
 Restore (a fresh process): ``get_latest_complete_checkpoint`` (the newest step complete on every
 node; it pulls from the paired node what this node lacks) then ``dcp.load`` through
@@ -26,8 +27,11 @@ Shims, the least its API leaves to a DCP user: a saver subclass keeps the replic
 (``write_data`` drops them) so ``wait``/``replicated`` know when a replica landed; the
 ``TransferService`` is started and the addresses gathered here, because ``ReplicationManager``
 without a strategy sizes nodes by ``torch.cuda.device_count()`` (0 on CPU); ``NNODES`` is set per
-rank. Its logging is set to WARNING (its default is DEBUG; peers.py runs ffplane's daemons at
-warning too); the C++ service logs at INFO regardless.
+rank. ``MemoryStorageWriter`` wants a ``torch.multiprocessing`` Manager (a spawned server, as NeMo's
+wrapper makes it, ~190 MB); it is made and primed with one ``WriteResult`` (its first unpickling
+imports DCP there, ~48 MB) with the rest of a fresh job's setup, so neither counts as memory the
+saves hold; a restarted job makes it at its first save. Its logging is set to WARNING (its default
+is DEBUG; peers.py runs ffplane's daemons at warning too); its C++ parts log at INFO regardless.
 """
 
 from __future__ import annotations
