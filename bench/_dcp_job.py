@@ -124,6 +124,11 @@ def main() -> None:
         settle=writer.wait,
     )
     writer.wait()
+    # steady state: the plan of the last full save, no DCP collectives (DaemonWriter's no_dist path)
+    record(
+        "dcp_ffplane_save_no_dist_s", lambda: dcp.save(state, storage_writer=writer, checkpoint_id=step, no_dist=True), settle=writer.wait
+    )
+    writer.wait()
     pending: list[Any] = []
     side = dist.new_group(backend="gloo")  # async saves run their collectives on their own group, as DCP asks
 

@@ -16,6 +16,8 @@ save is done when every rank's part is), after one warm-up call:
 * ``dcp_ffplane_save_s`` / ``dcp_ffplane_async_save_s`` — ``dcp.save`` / ``dcp.async_save`` with
   ``trainer_client.dcp.DaemonWriter`` (async: until the call returns; its staging is the blocking part);
   ``dcp_ffplane_save_cached_plan_s`` — ``dcp.save`` with ``DefaultSavePlanner(enable_plan_caching=True)``;
+  ``dcp_ffplane_save_no_dist_s`` — ``dcp.save(..., no_dist=True)`` after full saves: the writer
+  commits each rank's part of the last full save's plan, with no DCP collectives (steady state);
 * ``dcp_filesystem_shm_save_s`` / ``..._async_save_s`` — the same with ``FileSystemWriter`` to /dev/shm
   (async with DCP's default stager: without CUDA there is no pinned memory to stage into);
 * restores into the live sharded state: ``Checkpointer.restore(into=)``, ``dcp.load`` with
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "target": "<= 1.5",
         },
         "dcp_save_cached_plan_vs_checkpointer_save": {"ratio": ratio(figures["dcp_ffplane_save_cached_plan_s"], base), "target": "<= 1.5"},
+        "dcp_save_no_dist_vs_checkpointer_save": {"ratio": ratio(figures["dcp_ffplane_save_no_dist_s"], base), "target": "<= 1.5"},
+        "filesystem_shm_vs_dcp_save_no_dist": {"ratio": ratio(fs, figures["dcp_ffplane_save_no_dist_s"]), "target": ">= 5"},
         "dcp_async_save_vs_checkpointer_save": {"ratio": ratio(figures["dcp_ffplane_async_save_s"], base), "target": "<= 1.5"},
         "filesystem_shm_vs_dcp_save": {"ratio": ratio(fs, figures["dcp_ffplane_save_s"]), "target": ">= 5"},
         "filesystem_shm_async_vs_dcp_async_save": {
