@@ -33,6 +33,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from bench._peers import Ctx, Peer, Unavailable
 from bench._peers.states import leaves
 
@@ -111,15 +114,18 @@ class DLRover(Peer):
     memory, one buffer per node overwritten in place by every save. There is no older version to
     fall back on: a kill while a save is being copied leaves that node's buffer marked unfinished
     or the nodes holding different steps, and ``load_checkpoint`` then returns ``{}`` on every
-    rank (nothing restores). No checksum.
+    rank (nothing restores). A kill inside the agent's metadata update can also wedge the agent,
+    and every later ``load_checkpoint`` hangs: :meth:`restore` checks for that first and fails
+    instead. No checksum.
 
     DDP state: the checkpointer's defaults (``local_shard_num=1, global_shard_num=1``), what a
     user gets: the local rank 0 of every node saves the whole state into its node's memory (here,
     one rank per node, every rank). FSDP2 state: ``global_shard_num`` = the world size, as its
     docstring says for a model partitioned over all ranks, so each rank's shard is its own. The
-    copy never leaves the node (``replica_count`` only backs up to peers with a CUDA-side all-gather
-    of a NCCL group, not set here); the save's step goes in the dict (``load_checkpoint`` returns
-    only the dict)."""
+    copy stays on its node: ``replica_count`` (default 0, kept) would all-gather the shards of a
+    sharded state to the other nodes inside every save, with the replicas' metadata held by the
+    trainer process (gone when every trainer restarts). The save's step goes in the dict
+    (``load_checkpoint`` returns only the dict)."""
 
     replicates = False
 
@@ -138,7 +144,25 @@ class DLRover(Peer):
     def save(self, step: int, state: dict[str, Any]) -> None:
         self.ck.save_checkpoint(step, {"step": step, "state": state}, storage_type=self.memory)
 
+    def _wedged(self) -> bool:
+        """Whether this node's agent will never answer a read of the buffer's metadata. A trainer
+        killed inside ``SharedDict.set`` (after it posted to the dict's notification queue, before
+        the agent took the new dict) leaves that queue non-empty, and the agent serves a ``get``
+        only once the queue is empty: ``load_checkpoint()`` then blocks forever (seen here)."""
+        from dlrover.python.common.multi_process import SharedQueue
+        from dlrover.python.elastic_agent.torch.ckpt_saver import CheckpointSharedObjPrefix
+
+        return not SharedQueue(name=f"shard_dict_{CheckpointSharedObjPrefix.META_NAME}0").empty()
+
     def restore(self, into: dict[str, Any]) -> int | None:
+        wedged = torch.tensor([int(self._wedged())])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(wedged, op=dist.ReduceOp.MAX)  # a rank whose load hangs stalls the others' too
+        if wedged.item():
+            raise RuntimeError(
+                "load_checkpoint() would block forever: a trainer SIGKILLed inside the agent's "
+                "SharedDict.set left its notification queue non-empty (DLRover 0.6.1)"
+            )
         got = self.ck.load_checkpoint()
         if not got:
             return None

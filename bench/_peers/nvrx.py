@@ -90,10 +90,12 @@ def place(world: int, base: Path) -> Iterator[dict[str, Any]]:
 
 class NVRx(Peer):
     """``LocalCheckpointManager`` with clique replication (2 ranks, the other node holds each
-    rank's file). ``save`` is synchronous: the async path (``is_async=True``) calls
-    ``torch.cuda.synchronize()`` and runs through NVRx's CUDA-era async queue, so on CPU torch
-    the synchronous one is what can be measured. Each rank saves what it holds (DDP: the whole
-    state; ``BasicTensorAwareStateDict`` has no deduplication), files are ``torch.save`` pickles
+    rank's file). ``save`` is synchronous: the async path (``is_async=True`` and an
+    ``AsyncCallsQueue``) calls ``torch.cuda.synchronize()`` and syncs its callers with tensors on
+    ``torch.cuda.current_device()``, so on CPU torch the synchronous one is what can be measured
+    (the exchange with the peer happens inside ``save`` either way). Each rank saves what it holds
+    (DDP: the whole state, so a node holds two whole copies; ``BasicTensorAwareStateDict`` has no
+    deduplication); files are ``torch.save`` pickles written aside (``.dirty``) then renamed,
     without checksums, and the manager keeps only the newest complete iteration. One rank alone
     (``single``) has no clique: no replication."""
 
