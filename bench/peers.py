@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -59,7 +60,9 @@ from bench._peers import SYSTEMS  # noqa: E402
 from bench._peers.states import STATES, WORLD  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+_random = random.Random(0)  # kill moments differ from kill to kill, alike from run to run
 FFPLANE = ("ffplane", "ffplane_dcp", "ffplane_dcp_full")
+LIVE_PEERS = ("torchft",)  # recovery rows only: no checkpoint at rest, a live replica heals the restarted one
 
 
 def _free_port() -> int:
@@ -123,8 +126,11 @@ def _launch(cmd: str, config: dict[str, Any], placed: dict[str, Any], logs: Path
     return procs
 
 
-def _results(out: str, world: int, procs: list[subprocess.Popen[bytes]], linger: bool, timeout: float = 900) -> list[dict[str, Any]]:
-    """Each rank's JSON; with ``linger`` the job is SIGKILLed (every rank, by PID) once all wrote."""
+def _results(
+    out: str, world: int, procs: list[subprocess.Popen[bytes]], linger: bool, timeout: float = 900
+) -> tuple[list[dict[str, Any]], float]:
+    """Each rank's JSON, and when the job was killed: with ``linger`` it is SIGKILLed (every rank,
+    by PID) at a random moment 0.2-0.6 s after all wrote, while it trains and saves on."""
     deadline = time.monotonic() + timeout
     files = [Path(f"{out}.rank{r}.json") for r in range(world)]
     try:
@@ -140,7 +146,9 @@ def _results(out: str, world: int, procs: list[subprocess.Popen[bytes]], linger:
         if not linger:
             for p in procs:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        return [json.loads(f.read_text()) for f in files]
+        else:
+            time.sleep(_random.uniform(0.2, 0.6))
+        return [json.loads(f.read_text()) for f in files], time.time()
     finally:
         for p in procs:
             if p.poll() is None:
@@ -181,14 +189,13 @@ def _one(system: str, state: str, rnd: int, args: argparse.Namespace, base: Path
     shard_mib = {"gpt_ddp": 8, "fsdp2": args.fsdp2_mib // 2 + 1, "single": args.single_mib}[state]
     with _placement(system, world, base, tag, shard_mib) as placed:
         config |= {"nodes": placed["nodes"], "system_pids": placed.get("system_pids", []), "system_config": placed.get("config", {})}
-        saved = _results(
+        saved, killed_at = _results(
             out, world, _launch("save", config | {"out": out, "linger": not corrupt, "corrupt": corrupt}, placed, logs), linger=not corrupt
         )
-        killed_at = time.time()
         if "unavailable" in saved[0]:
             return {"unavailable": saved[0]["unavailable"]}
         flipped = json.loads(Path(f"{out}.corrupt.rank0.json").read_text())["flipped"] if corrupt else None
-        restored = _results(out + ".restore", world, _launch("restore", config | {"out": out + ".restore"}, placed, logs), linger=False)
+        restored, _ = _results(out + ".restore", world, _launch("restore", config | {"out": out + ".restore"}, placed, logs), linger=False)
     for r, got in enumerate(restored):
         got["verified"] = got["digest"] is not None and got["digest"] == _digest_of(digests, r, got["step"])
         got["newest_begun"] = max(json.loads(line)["step"] for line in (digests / f"digests.rank{r}.jsonl").read_text().splitlines())
@@ -234,6 +241,7 @@ def _figures(runs: list[dict[str, Any]], state: str) -> dict[str, Any]:
         "block_s": _stat([max(s) for s in saves]),
         "step_s": _stat([max(s) for s in steps]),
         "cpu_per_save_s": _stat([sum(k["cpu_per_save_s"] for k in r["saved"]) for r in timed]),
+        "cpu_system_processes_per_save_s": _stat([sum(k["cpu_system_processes_per_save_s"] for k in r["saved"]) for r in timed]),
         "held_per_role_x": _stat(held),
         "held_anon_x": _stat(anon),
         "held_bytes": [[k["held"] for k in r["saved"]] for r in timed],
@@ -323,6 +331,13 @@ def _targets(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "met": rows[worst]["ratio"] <= limit,
                 "per_state": rows,
             }
+        else:  # kept, so a reader sees the figure is missing and why
+            targets[name] = {
+                "ratio": None,
+                "target": f"<= {limit}",
+                "met": None,
+                "why": "no row to compare: a side did not run (see figures)",
+            }
     verdicts = {s: t.get("ffplane", {}).get("integrity") for s, t in figures.items()}
     targets["integrity_routed_around"] = {
         "met": all(v and v.startswith("detected, routed around") for v in verdicts.values()),
@@ -340,7 +355,7 @@ def _chart(path: Path, figures: dict[str, dict[str, Any]]) -> None:
     except ImportError:
         return
     states = list(figures)
-    systems = [s for s in SYSTEMS if s != "none" and any(s in figures[st] for st in states)]
+    systems = [s for s in (*SYSTEMS, *LIVE_PEERS) if s != "none" and any(s in figures[st] for st in states)]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for ax, key, title in zip(
         axes,
@@ -361,7 +376,7 @@ def _chart(path: Path, figures: dict[str, dict[str, Any]]) -> None:
             ax.bar(xs, ys, width, yerr=errs, capsize=2, label=system, color=color)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(states))], states)
         ax.set_title(title)
-        if key != "held_per_role_x" and ax.has_data():
+        if key != "held_per_role_x" and any(p.get_height() > 0 for p in ax.patches):
             ax.set_yscale("log")
     axes[0].legend(fontsize=7)
     fig.suptitle("ffplane beside its peers (median, min-max over rounds; missing bar: not measured, see peers.json)")
@@ -401,13 +416,16 @@ def _print(figures: dict[str, dict[str, Any]], targets: dict[str, Any]) -> None:
                 f"{med('cpu_per_save_s'):>9s} {med('replica_after_s', '{:.3f}'):>8s} {med('kill_to_first_step_s', '{:.2f}'):>10s}  {f.get('integrity', '')[:60]}"
             )
     for name, t in targets.items():
-        print(f"  {name:36s} {t.get('ratio', float('nan')):8.3f}  {t.get('target', '')}  met={t['met']}  ({t.get('state', '')})")
+        ratio = t.get("ratio")
+        print(f"  {name:36s} {'-' if ratio is None else f'{ratio:.3f}':>8s}  {t.get('target', '')}  met={t['met']}  ({t.get('state', '')})")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--states", default=",".join(STATES))
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
+    p.add_argument(
+        "--systems", default=",".join((*SYSTEMS, *LIVE_PEERS)), help="comma-separated, from: " + ", ".join((*SYSTEMS, *LIVE_PEERS))
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--saves", type=int, default=5, help="timed saves per round")
     p.add_argument("--fsdp2-mib", type=int, default=288)
@@ -422,8 +440,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     states = args.states.split(",")
     systems = args.systems.split(",")
     for name in (*states, *systems):
-        if name not in (*STATES, *SYSTEMS):
+        if name not in (*STATES, *SYSTEMS, *LIVE_PEERS):
             p.error(f"unknown state or system {name!r}")
+    live = [n for n in systems if n in LIVE_PEERS]
+    systems = [n for n in systems if n not in LIVE_PEERS]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {n: [] for n in systems} for s in states}
     unavailable: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="ffplane-peers-", dir="/tmp") as tmp:
@@ -470,6 +490,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
             for state in states
         }
+    if "torchft" in live and "gpt_ddp" in figures:  # its own job shape: two replica groups, after the interleaved rounds
+        figures["gpt_ddp"]["torchft"] = _torchft_row(args.rounds)
     _overheads(figures)
     targets = _targets(figures)
     _print(figures, targets)
@@ -498,6 +520,30 @@ def _figures_or_failure(runs: list[dict[str, Any]], state: str) -> dict[str, Any
     if failed:
         out["failures"] = failed
     return out
+
+
+def _torchft_row(rounds: int) -> dict[str, Any]:
+    """torchft's live-peer recovery on the GPT (bench/_peers/torchft_recovery.py) in this table's
+    terms: the heal is its restore; there is no save, no copy at rest and so nothing to flip."""
+    from bench._peers import torchft_recovery
+
+    print("torchft: live peer recovery on gpt_ddp", flush=True)
+    with tempfile.TemporaryDirectory(prefix="ffplane-peers-torchft-", dir="/tmp") as tmp:
+        got = torchft_recovery.measure(rounds, Path(tmp))
+    if "unavailable" in got:
+        return {"unavailable": got["unavailable"]}
+    return {
+        "system": got["system"],
+        "replicates": True,  # the other replica group holds the whole state, live
+        "replica_after_s": None,
+        "restore_s": got["heal_s"],
+        "kill_to_first_step_s": got["kill_to_first_step_s"],
+        "steps_lost": got["steps_lost"]["samples"],
+        "verified": [got["verified"]] * rounds,
+        "integrity": "no copy at rest to damage: the state is streamed from the live peer (torch.save over HTTP, no checksum)",
+        "step_s_vs_plain_ddp": got["step_s"]["ratio_of_medians"],
+        "torchft": got,
+    }
 
 
 def _overheads(figures: dict[str, dict[str, Any]]) -> None:

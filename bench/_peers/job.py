@@ -27,6 +27,11 @@ from bench._common import cpu_s  # noqa: E402
 from bench._peers import Ctx, Unavailable, peer  # noqa: E402
 from bench._peers.states import build, digest, leaves  # noqa: E402
 
+# Between saves after the timed ones, the stamp-only states spend this long "computing" (the GPT
+# trains for real): a SIGKILL at a random time then lands in a save as often as a save takes of
+# a step, as in a job that saves every step, not in a save every time.
+LINGER_COMPUTE_S = 0.2
+
 
 def _tree(root: int) -> list[int]:
     """``root`` and every process below it (a peer's helper processes are its children)."""
@@ -159,6 +164,7 @@ def save(config: dict[str, Any]) -> None:
     p.wait()
     dist.barrier()
     main0, cpu0, system_main[0] = time.thread_time(), _cpu(_tree(os.getpid()) + extra), 0.0
+    extra0 = _cpu(extra)
     started = 0.0
     step = 1
     profile = _profiler("save")
@@ -170,6 +176,7 @@ def save(config: dict[str, Any]) -> None:
     p.wait()
     system_main[0] += time.thread_time() - c0
     cpu = _cpu(_tree(os.getpid()) + extra) - cpu0
+    cpu_system_processes = _cpu(extra) - extra0  # the system's own processes (daemons, agents), rank 0 only
     # every process and thread counts, less the main thread's own work (the step, the digests);
     # gloo's threads (DDP's all-reduce) stay in: the "none" row's figure is that floor
     training_main = time.thread_time() - main0 - system_main[0]
@@ -191,6 +198,7 @@ def save(config: dict[str, Any]) -> None:
             "block_s": block,
             "step_s": steps,
             "cpu_per_save_s": cpu_per_save,
+            "cpu_system_processes_per_save_s": cpu_system_processes / config["saves"],
             "replica_after_s": replica_after,
             "replicates": p.replicates,
             "restart_path": p.restart_path,
@@ -215,6 +223,8 @@ def save(config: dict[str, Any]) -> None:
     if config.get("linger"):  # saves go on (as training does) until the orchestrator SIGKILLs the job
         while True:
             step += 1
+            if not overlap:
+                time.sleep(LINGER_COMPUTE_S)  # a step's compute (on a GPU, say): the kill lands in it or in a save
             one(step, timed=False)
     p.close()
     dist.destroy_process_group()

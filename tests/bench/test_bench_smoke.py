@@ -70,6 +70,29 @@ def test_checkpoint_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "ck.json").exists()
 
 
+def test_peers_smoke(tmp_path: Path) -> None:
+    """ffplane beside the plain saver and every peer that is installed (bench/setup_peers.sh):
+    a peer that is not keeps its row, with the reason."""
+    from bench import peers
+
+    systems = "none,ffplane,ffplane_dcp,torch_save_shm,dlrover,nvrx,mlflashpoint"
+    out = peers.main(["--smoke", "--states", "fsdp2", "--systems", systems, "--results-dir", str(tmp_path), "--out", "pe"])
+    table = out["figures"]["fsdp2"]
+    for name in ("ffplane", "ffplane_dcp"):
+        row = table[name]
+        assert row["block_s"]["median"] > 0 and row["restore_s"]["median"] > 0, name
+        assert all(row["verified"]) and row["replica_after_s"] is not None, name
+        assert row["integrity"].startswith("detected, routed around"), (name, row["integrity"])
+    assert table["torch_save_shm"]["integrity"].startswith("NOT detected")  # a flipped byte goes through torch.load
+    for peer in ("dlrover", "nvrx", "mlflashpoint"):
+        assert "unavailable" in table[peer] or table[peer]["block_s"]["median"] > 0, peer
+    targets = out["targets"]
+    for key in ("save_vs_best_peer", "restore_vs_best_peer", "dcp_save_vs_checkpointer_save"):
+        assert targets[key]["ratio"] > 0, key
+    assert "memory_vs_best_replicating_peer" in targets  # None where no replicating peer is installed
+    assert (tmp_path / "pe.json").exists()
+
+
 def test_overhead_smoke(tmp_path: Path) -> None:
     from bench import overhead
 
