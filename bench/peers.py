@@ -1,7 +1,7 @@
 """ffplane beside the checkpointing systems a user would pick instead: one run, the same states.
 
     bash bench/setup_peers.sh                     # installs the peers (DLRover, NVRx, ML Flashpoint, torchft)
-    python bench/peers.py                         # 3 states x every system x 3 rounds (~30 min)
+    python bench/peers.py                         # 3 states x every system x 2 rounds (~35 min)
     python bench/peers.py --smoke                 # small states, 1 round, what is installed (~3 min)
 
 States (``bench/_peers/states.py``): the example GPT's DDP state on 2 ranks (trained between
@@ -187,6 +187,26 @@ def _one(system: str, state: str, rnd: int, args: argparse.Namespace, base: Path
         "digests": str(digests),
     }
     shard_mib = {"gpt_ddp": 8, "fsdp2": args.fsdp2_mib // 2 + 1, "single": args.single_mib}[state]
+    try:
+        return _run(system, state, world, config, out, digests, base, tag, shard_mib, logs, corrupt)
+    finally:  # the run's files, so memory holds one run's at a time (a 1 GiB state leaves GiBs)
+        for folder in (base / f"{system}-{tag}", *(base / f"node{r}" / f"{system}-{tag}" for r in range(world))):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run(
+    system: str,
+    state: str,
+    world: int,
+    config: dict[str, Any],
+    out: str,
+    digests: Path,
+    base: Path,
+    tag: str,
+    shard_mib: int,
+    logs: Path,
+    corrupt: bool,
+) -> dict[str, Any]:
     with _placement(system, world, base, tag, shard_mib) as placed:
         config |= {"nodes": placed["nodes"], "system_pids": placed.get("system_pids", []), "system_config": placed.get("config", {})}
         saved, killed_at = _results(
@@ -426,8 +446,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--systems", default=",".join((*SYSTEMS, *LIVE_PEERS)), help="comma-separated, from: " + ", ".join((*SYSTEMS, *LIVE_PEERS))
     )
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--saves", type=int, default=5, help="timed saves per round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--saves", type=int, default=4, help="timed saves per round")
     p.add_argument("--fsdp2-mib", type=int, default=288)
     p.add_argument("--single-mib", type=int, default=1024)
     p.add_argument("--smoke", action="store_true", help="small states, 1 round, 2 saves")
