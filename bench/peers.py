@@ -569,12 +569,12 @@ def _torchft_row(rounds: int) -> dict[str, Any]:
 def _overheads(figures: dict[str, dict[str, Any]]) -> None:
     """Step time with a save every step against the loop without saves (``none``), and CPU per
     save less the loop's own (``none``'s threads: DDP's all-reduce)."""
-    for table in figures.values():
+    for state, table in figures.items():
         base = table.get("none", {})
         for system, f in table.items():
             if system == "none" or "unavailable" in f:
                 continue
-            if base.get("step_s") and f.get("step_s"):
+            if state == "gpt_ddp" and base.get("step_s") and f.get("step_s"):  # elsewhere a "step" is a stamp
                 f["overhead"] = f["step_s"]["median"] / base["step_s"]["median"] - 1
             if base.get("held_anon_x") and f.get("held_per_role_x"):  # the loop's own growth is no system's
                 f["held_per_role_x"] = {
