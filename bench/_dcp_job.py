@@ -27,7 +27,7 @@ from trainer_client import Checkpointer, Layout
 from trainer_client.dcp import DaemonReader, DaemonWriter
 
 
-def _job(total_mib: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def fsdp2_job(total_mib: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """Params of total_mib / 3 (AdamW's two moments make the rest), sharded over the world."""
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -82,7 +82,7 @@ def main() -> None:
     sock, shm, out, total_mib, repeats = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model, opt, mesh = _job(total_mib)
+    model, opt, mesh = fsdp2_job(total_mib)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     local_bytes = sum(

@@ -120,6 +120,15 @@ def _ctx(config: dict[str, Any], rank: int, world: int, replicated: bool) -> Ctx
     return Ctx(rank, world, work, config["job"], {**config.get("system_config", {}), **node}, replicated)
 
 
+def _open_peer(config: dict[str, Any], rank: int, world: int, state: Any) -> Any:
+    """The rank's system, or None once it has written why it cannot run here."""
+    try:
+        return peer(config["system"], _ctx(config, rank, world, state.replicated))
+    except Unavailable as exc:
+        _write(config, rank, {"unavailable": str(exc)})
+        return None
+
+
 def _write(config: dict[str, Any], rank: int, what: dict[str, Any]) -> None:
     out = Path(f"{config['out']}.rank{rank}.json")
     out.with_suffix(".tmp").write_text(json.dumps(what))
@@ -128,10 +137,8 @@ def _write(config: dict[str, Any], rank: int, what: dict[str, Any]) -> None:
 
 def save(config: dict[str, Any]) -> None:
     rank, world, state = _setup(config)
-    try:
-        p = peer(config["system"], _ctx(config, rank, world, state.replicated))
-    except Unavailable as exc:
-        _write(config, rank, {"unavailable": str(exc)})
+    p = _open_peer(config, rank, world, state)
+    if p is None:
         return
     form = state.dcp if p.api == "dcp" else state.local
     digests = open(Path(config["digests"]) / f"digests.rank{rank}.jsonl", "a")
@@ -235,10 +242,8 @@ def restore(config: dict[str, Any]) -> None:
     rank, world, state = _setup(config)
     for t in leaves(state.dcp):  # nothing of the build survives: a restore must fill every byte
         t.zero_()
-    try:
-        p = peer(config["system"], _ctx(config, rank, world, state.replicated))
-    except Unavailable as exc:
-        _write(config, rank, {"unavailable": str(exc)})
+    p = _open_peer(config, rank, world, state)
+    if p is None:
         return
     form = state.dcp if p.api == "dcp" else state.local
     ready_at = time.time()

@@ -101,21 +101,10 @@ def _single(mib: int) -> State:
 
 def _fsdp2(mib: int) -> State:
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    width = 2048
-    layers = max(1, (mib << 20) // 3 // (width * width * 4))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(4, width)).sum().backward()
-    opt.step()  # the moments exist
-    opt.zero_grad()
+    from bench._dcp_job import fsdp2_job
+
+    model, opt, _ = fsdp2_job(mib)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     return State("fsdp2", state, sum(t.nbytes for t in leaves(state)), _stamp(state))
