@@ -35,7 +35,6 @@ class Peer:
 
     api = "local"  # "local": plain tensors; "dcp": the DCP state dict (DTensors as FSDP2 shards them)
     replicates = False  # keeps a copy on another node by itself
-    restart_path = True  # a restarted process can restore what a SIGKILLed one saved
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
@@ -69,8 +68,6 @@ class Peer:
 
 class NoSave(Peer):
     """Saves nothing: the step time and CPU of the loop itself, the floor every row is read against."""
-
-    restart_path = False
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         pass

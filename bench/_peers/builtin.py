@@ -129,8 +129,6 @@ class TorchSave(Peer):
     """``torch.save`` of the rank's state to a file in /dev/shm (written aside, then renamed, so a
     kill mid-save leaves the previous one); ``torch.load(mmap=True)`` then a copy to restore."""
 
-    restart_path = True
-
     def save(self, step: int, state: dict[str, Any]) -> None:
         tmp = self.ctx.work / "next.pt"
         torch.save({"step": step, "state": state}, tmp)

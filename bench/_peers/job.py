@@ -208,7 +208,6 @@ def save(config: dict[str, Any]) -> None:
             "cpu_system_processes_per_save_s": cpu_system_processes / config["saves"],
             "replica_after_s": replica_after,
             "replicates": p.replicates,
-            "restart_path": p.restart_path,
             "held": held,
             "nbytes": state.nbytes,
             "last_step": step,
