@@ -45,7 +45,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, cpu_s, write_results  # noqa: E402
-from dataserver.protocol import heartbeat as co  # noqa: E402
+from ffplane_contract import heartbeat as co  # noqa: E402
 from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
 
 MODES = ("udp", "udp_worst", "http")

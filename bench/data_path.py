@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             def control_rtt_us() -> float:
                 """One worker↔daemon round trip for a step already cached (the per-batch control cost)."""
-                from statestore.protocol.control import Get, Open
+                from ffplane_contract.control import Get, Open
                 from trainer_client._daemon_client import DaemonClient
 
                 job = f"rtt-{run_id}-{next(runs)}"

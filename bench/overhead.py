@@ -47,8 +47,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, bar_chart, ci90_of_median, ratio, summary, write_results  # noqa: E402
+from ffplane_contract.checksum import checksum  # noqa: E402
 from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
-from statestore.protocol.checksum import checksum  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
 
 MODES = ("none", "ffplane", "floor", "floor_async", "torch_save", "dcp_async")

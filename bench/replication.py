@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import torch
 
-    from statestore.protocol.control import Restorable
+    from ffplane_contract.control import Restorable
     from trainer_client import Checkpointer
     from trainer_client._daemon_client import DaemonClient
 

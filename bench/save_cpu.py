@@ -54,10 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, cpu_by_thread, cpu_s, print_table, ratio, summary, write_results  # noqa: E402
 from bench.overhead import Loop  # noqa: E402
-from dataserver.protocol.pagemap import populate_write  # noqa: E402
+from ffplane_contract import control as proto  # noqa: E402
+from ffplane_contract.checksum import checksum  # noqa: E402
 from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
-from statestore.protocol import control as proto  # noqa: E402
-from statestore.protocol.checksum import checksum  # noqa: E402
+from ffplane_runtime.pagemap import populate_write  # noqa: E402
 from trainer_client import Checkpointer  # noqa: E402
 from trainer_client._daemon_client import DaemonClient  # noqa: E402
 from trainer_client.state_codec import encode  # noqa: E402

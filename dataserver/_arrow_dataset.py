@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from dataserver._row_gather import RowGather
 from dataserver.catalog import Dataset, DatasetError
-from dataserver.protocol.pagemap import populate_read
+from ffplane_runtime.pagemap import populate_read
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "ffplane.arrow/1"

@@ -43,7 +43,6 @@ from dataserver.coordinator import (
     listen_udp,
 )
 from dataserver.dead_board import DeadBoard
-from dataserver.httpserver import BearerAuth, BodyGuard, offline_docs
 from dataserver.jobs import (
     LAYOUT_LIMIT,
     SEED_LIMIT,
@@ -57,14 +56,15 @@ from dataserver.jobs import (
 )
 from dataserver.leadership import Leadership
 from dataserver.planner import Generation, Planner
-from dataserver.protocol.auth import load_token
-from dataserver.protocol.etcd import ALIVE_KEY, Etcd, EtcdUnavailable
-from dataserver.protocol.limits import MAX_COUNT, NAME_PATTERN, STEP_LIMIT
-from dataserver.protocol.servers import LEADER_HEADER
-from dataserver.protocol.settings import version
 from dataserver.shared_jobs import EtcdJobRegistry
 from dataserver.status_page import STATUS_PAGE
 from dataserver.stream import MEDIA_TYPE, StepEncoder, WholeBody, encode_steps
+from ffplane_contract.auth import load_token
+from ffplane_contract.limits import MAX_COUNT, NAME_PATTERN, STEP_LIMIT
+from ffplane_contract.servers import LEADER_HEADER
+from ffplane_contract.settings import version
+from ffplane_runtime.etcd import ALIVE_KEY, Etcd, EtcdUnavailable
+from ffplane_runtime.httpserver import BearerAuth, BodyGuard, offline_docs
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dataserver.protocol.limits import is_name  # dataset (folder) names the server serves
+from ffplane_contract.limits import is_name  # dataset (folder) names the server serves
 
 SAMPLE_INDEX_COLUMN = "_sample_index"
 

@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 from dataserver.config import ServeConfig
-from dataserver.protocol.etcd import parse_endpoints
-from dataserver.protocol.limits import MAX_COUNT
-from dataserver.protocol.settings import (
+from ffplane_contract.limits import MAX_COUNT
+from ffplane_contract.settings import (
     ConfigError,
     Number,
     command_parser,
@@ -20,6 +19,7 @@ from dataserver.protocol.settings import (
     positive_seconds,
     subcommand,
 )
+from ffplane_runtime.etcd import parse_endpoints
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 _SHARD_MB = Number(int, 1, 1 << 20)
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from dataserver.app import create_app
-    from dataserver.httpserver import die_with_parent_if_asked, serve, setup_logging
-    from dataserver.protocol.auth import load_token
+    from ffplane_contract.auth import load_token
+    from ffplane_runtime.httpserver import die_with_parent_if_asked, serve, setup_logging
 
     die_with_parent_if_asked()
     cfg_s = ServeConfig(
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 def _etcd_answers(endpoints: str, wait_s: float) -> bool:
     """Whether etcd answers a read within ``wait_s``; if not, says so in one line. The job records
     live there: a server that started without them would fail its first request, not its start."""
-    from dataserver.protocol.etcd import Etcd, EtcdUnavailable
+    from ffplane_runtime.etcd import Etcd, EtcdUnavailable
 
     try:
         Etcd(endpoints, retry_s=wait_s).get(b"/ffplane/ready-probe")
@@ -165,7 +165,7 @@ def _url_coordinated_elsewhere(endpoints: str, url: str) -> bool:
     TTL for an earlier run of this server, killed, to let its lease run out. (With --port 0 and no
     --advertise-url the URL is known once bound: a twin found then keeps this one a follower.)"""
     from dataserver.leadership import twin_leads, twin_refusal
-    from dataserver.protocol.etcd import Etcd, EtcdUnavailable
+    from ffplane_runtime.etcd import Etcd, EtcdUnavailable
 
     try:
         taken = twin_leads(Etcd(endpoints), url)

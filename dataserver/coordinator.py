@@ -14,7 +14,7 @@ Two transports feed it (decisions.md, "Heartbeats: UDP liveness, HTTP registrati
   is the whole ring view and the UDP port. A record of it that fails its check (one job's step
   out of range, a role that is no role name: ``dataserver.records``) is dropped and named in the
   answer; the node and its other records are taken.
-* UDP datagrams (``dataserver.protocol.heartbeat``, HMAC-SHA256 with the job token): liveness of a node
+* UDP datagrams (``ffplane_contract.heartbeat``, HMAC-SHA256 with the job token): liveness of a node
   registered over HTTP, plus — only when it changed — its inventory and workers as a compressed
   blob that is decoded only when someone asks for a job's status. The answer carries the ring
   view's version and, when the daemon's view is behind, the membership events it missed.
@@ -45,7 +45,8 @@ from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from dataserver.protocol.heartbeat import (
+from dataserver.records import DropLog, Drops, check_inventory, check_workers
+from ffplane_contract.heartbeat import (
     KIND_INV,
     STATUS_OK,
     STATUS_STALE,
@@ -58,8 +59,7 @@ from dataserver.protocol.heartbeat import (
     decode_inventory,
     encode_events,
 )
-from dataserver.protocol.restorable import Layouts, restorable_step
-from dataserver.records import DropLog, Drops, check_inventory, check_workers
+from ffplane_contract.restorable import Layouts, restorable_step
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from dataserver.coordinator import Coordinator
-from dataserver.protocol.etcd import ALIVE_KEY, DEAD_PREFIX, Etcd, EtcdUnavailable
+from ffplane_runtime.etcd import ALIVE_KEY, DEAD_PREFIX, Etcd, EtcdUnavailable
 
 log = logging.getLogger(__name__)
 

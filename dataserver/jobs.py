@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dataserver.planner import Generation, Planner
-from dataserver.protocol.limits import NAME_PATTERN, STEP_LIMIT, is_name
+from ffplane_contract.limits import NAME_PATTERN, STEP_LIMIT, is_name
 
 log = logging.getLogger(__name__)
 

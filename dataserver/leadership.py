@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from dataserver.protocol.etcd import Etcd, EtcdUnavailable
+from ffplane_runtime.etcd import Etcd, EtcdUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_confi
 from typing_extensions import NotRequired, TypedDict
 
 from dataserver.jobs import LAYOUT_LIMIT
-from dataserver.protocol.limits import NAME_PATTERN, STEP_LIMIT, is_name
+from ffplane_contract.limits import NAME_PATTERN, STEP_LIMIT, is_name
 
 __all__ = ["DropLog", "Dropped", "Drops", "InventoryEntry", "WorkerInfo", "check_inventory", "check_workers"]
 

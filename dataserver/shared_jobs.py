@@ -27,7 +27,7 @@ from typing import Any
 
 from dataserver.jobs import BrokenJob, Job, JobConflict, JobRegistry, JobSpec, broken_reason, parse_record, parse_served
 from dataserver.planner import Generation, Planner
-from dataserver.protocol.etcd import Etcd, KeyValue
+from ffplane_runtime.etcd import Etcd, KeyValue
 
 log = logging.getLogger(__name__)
 

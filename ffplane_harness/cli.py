@@ -1,7 +1,7 @@
 """The ``ffplane`` command: ``job create|list|show|delete``, ``status``, ``export``, ``demo``.
 
 Settings come from flags, ``$FFPLANE_<FLAG>`` (``$FFPLANE_DATASERVER``, ``$FFPLANE_TOKEN_FILE``),
-the ``[ffplane.<command>]`` tables of ``--config``, then defaults (``dataserver.protocol.settings``).
+the ``[ffplane.<command>]`` tables of ``--config``, then defaults (``ffplane_contract.settings``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from dataserver.jobs import LAYOUT_LIMIT, SEED_LIMIT
-from dataserver.protocol.auth import load_token
-from dataserver.protocol.errors import FFPlaneError, NotFoundError
-from dataserver.protocol.limits import MAX_STEP, STEP_LIMIT
-from dataserver.protocol.settings import ConfigError, Number, command_parser, parse, positive_int, positive_seconds, subcommand
+from ffplane_contract.auth import load_token
+from ffplane_contract.errors import FFPlaneError, NotFoundError
+from ffplane_contract.limits import MAX_STEP, STEP_LIMIT
+from ffplane_contract.settings import ConfigError, Number, command_parser, parse, positive_int, positive_seconds, subcommand
 
 _LAYOUT = Number(int, 1, LAYOUT_LIMIT)
 _SEED = Number(int, 0, SEED_LIMIT - 1)

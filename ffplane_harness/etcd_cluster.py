@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dataserver.protocol.etcd import Etcd, EtcdUnavailable
+from ffplane_runtime.etcd import Etcd, EtcdUnavailable
 
 
 class EtcdMissing(RuntimeError):

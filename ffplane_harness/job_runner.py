@@ -17,12 +17,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dataserver.protocol.auth import TOKEN_ENV, bearer
+from ffplane_contract.auth import TOKEN_ENV, bearer
+from ffplane_contract.warm import readiness
 from ffplane_harness.etcd_cluster import EtcdCluster
 from ffplane_harness.local_cluster import LocalCluster
 from ffplane_harness.netns import Netns
 from ffplane_harness.torchrun import TorchrunNode
-from statestore.protocol.warm import readiness
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXAMPLE = EXAMPLES / "train_ffplane.py"

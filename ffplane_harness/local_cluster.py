@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dataserver.httpserver import DIE_WITH_PARENT_ENV
-from dataserver.protocol.auth import TOKEN_ENV
+from ffplane_contract.auth import TOKEN_ENV
+from ffplane_contract.files import SOCKET_NAME
 from ffplane_harness.netns import Netns
-from statestore.protocol.files import SOCKET_NAME
+from ffplane_runtime.httpserver import DIE_WITH_PARENT_ENV
 
 
 @dataclass

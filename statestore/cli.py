@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dataserver.protocol.settings import (
+from ffplane_contract.settings import (
     ConfigError,
     Number,
     command_parser,
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"statestore: error: {exc}", file=sys.stderr)
         return 2
-    from dataserver.httpserver import die_with_parent_if_asked, serve, setup_logging
-    from dataserver.protocol.auth import load_token
+    from ffplane_contract.auth import load_token
+    from ffplane_runtime.httpserver import die_with_parent_if_asked, serve, setup_logging
     from statestore.daemon import Daemon, create_app
     from statestore.shm import ShmError
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from dataserver.protocol.servers import parse_urls
+from ffplane_contract.files import DEFAULT_ROOT, SOCKET_NAME
+from ffplane_contract.servers import parse_urls
 from statestore.link_gate import GateConfig
-from statestore.protocol.files import DEFAULT_ROOT, SOCKET_NAME
 
 _MAX_FETCH_STEPS = 256
 

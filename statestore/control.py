@@ -1,4 +1,4 @@
-"""The daemon's side of the control socket (the protocol: ``statestore.protocol.control``).
+"""The daemon's side of the control socket (the protocol: ``ffplane_contract.control``).
 
 A reader may map a published step file without waiting: it sends ``Get`` and reads the reply
 later. Published files never change, so the bytes are the same either way, and the daemon still
@@ -17,11 +17,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from dataserver.protocol.errors import FFPlaneError
+from ffplane_contract import control as proto
+from ffplane_contract.errors import FFPlaneError
 from statestore.data_cache import DataCache, Stream
 from statestore.heartbeat import Heartbeat
 from statestore.procs import alive
-from statestore.protocol import control as proto
 from statestore.slots import RESERVED
 from statestore.state_service import StateService
 

@@ -17,8 +17,10 @@ from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dataserver.httpserver import offline_docs
-from dataserver.protocol.settings import version
+from ffplane_contract.files import HINTS_DIR
+from ffplane_contract.settings import version
+from ffplane_contract.warm import readiness, warm_dir
+from ffplane_runtime.httpserver import offline_docs
 from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.control import ControlServer
@@ -29,8 +31,6 @@ from statestore.index import Index
 from statestore.latencies import Latencies
 from statestore.link_gate import LinkGate
 from statestore.metrics import registry_for
-from statestore.protocol.files import HINTS_DIR
-from statestore.protocol.warm import readiness, warm_dir
 from statestore.rebuild import QUARANTINE, Rebuilt, rebuild, set_aside
 from statestore.replicas import ReplicaStore
 from statestore.ring import Replicator

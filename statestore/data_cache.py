@@ -33,14 +33,14 @@ from typing import Any, TypeVar
 import aiohttp
 import pyarrow as pa
 
-from dataserver.protocol.auth import bearer
-from dataserver.protocol.errors import CapacityError, FFPlaneError, FFTimeoutError, TransportError, UnavailableError, error_from
+from ffplane_contract.auth import bearer
+from ffplane_contract.errors import CapacityError, FFPlaneError, FFTimeoutError, TransportError, UnavailableError, error_from
+from ffplane_contract.files import step_file
 from statestore import shm
 from statestore.config import DaemonConfig
 from statestore.dataservers import DataServers
 from statestore.index import Index
 from statestore.link_gate import LinkGate, Priority
-from statestore.protocol.files import step_file
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from dataserver.protocol.servers import LEADER_HEADER, parse_urls
+from ffplane_contract.servers import LEADER_HEADER, parse_urls
 
 log = logging.getLogger(__name__)
 

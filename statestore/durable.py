@@ -1,4 +1,4 @@
-"""The daemon's writes to the durable tier (the format, and reading it: ``statestore.protocol.durable``)."""
+"""The daemon's writes to the durable tier (the format, and reading it: ``ffplane_contract.durable``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from statestore.protocol.durable import encode_head, shard_path, step_dir
+from ffplane_contract.durable import encode_head, shard_path, step_dir
 from statestore.shm import open_private, private_dir
 
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import aiohttp
 
-from dataserver.protocol.auth import bearer
-from dataserver.protocol.heartbeat import (
+from ffplane_contract.auth import bearer
+from ffplane_contract.heartbeat import (
     KIND_BEAT,
     KIND_INV,
     STATUS_STALE,

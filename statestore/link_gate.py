@@ -31,8 +31,8 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
+from ffplane_contract.files import HINT, HINTS_DIR
 from statestore.procs import alive
-from statestore.protocol.files import HINT, HINTS_DIR
 
 log = logging.getLogger(__name__)
 _RECHECK_S = 0.005  # a closed gate's waiters look again at least this often

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ffplane_contract.checksum import checksum
 from statestore import shm
 from statestore.index import SIDECAR, Index, read_sidecar
-from statestore.protocol.checksum import checksum
 from statestore.replicas import SPARE, STATICS_KEY
 from statestore.slots import KEEP_VERSIONS, SLOTS, version_key
 

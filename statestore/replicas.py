@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dataserver.protocol.errors import CapacityError, CorruptError, FFPlaneError, StaticHeaderUnknownError, TransferOrderError
-from dataserver.protocol.pagemap import populate_write
+from ffplane_contract.checksum import streaming_checksum
+from ffplane_contract.errors import CapacityError, CorruptError, FFPlaneError, StaticHeaderUnknownError, TransferOrderError
+from ffplane_contract.shard import PER_STEP, header_digest, header_intact, static_digest
+from ffplane_runtime.pagemap import populate_write
 from statestore import shm
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
-from statestore.protocol.checksum import streaming_checksum
-from statestore.protocol.shard import PER_STEP, header_digest, header_intact, static_digest
 
 log = logging.getLogger(__name__)
 KEEP_VERSIONS = 2  # a replica trails its primary by at most a commit or so; the primary keeps three

@@ -9,8 +9,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from statestore.protocol.checksum import checksum
-from statestore.protocol.shard import PER_STEP, header_intact
+from ffplane_contract.checksum import checksum
+from ffplane_contract.shard import PER_STEP, header_intact
 from statestore.replicas import Replica, ReplicaStore
 from statestore.slots import SlotStore, Version
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TypeVar
 
-from dataserver.protocol.errors import CapacityError
+from ffplane_contract.errors import CapacityError
 
 TMP_MARK = ".tmp-"
 HUGE_PAGE = 2 << 20

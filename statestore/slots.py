@@ -24,7 +24,8 @@ from typing import Any
 
 import lmdb
 
-from dataserver.protocol.errors import (
+from ffplane_contract.checksum import ALGORITHM, checksum
+from ffplane_contract.errors import (
     CapacityError,
     CorruptError,
     FFPlaneError,
@@ -33,12 +34,11 @@ from dataserver.protocol.errors import (
     StaticHeaderUnknownError,
     UnknownSlotError,
 )
-from dataserver.protocol.restorable import Layouts, whole_steps
+from ffplane_contract.restorable import Layouts, whole_steps
+from ffplane_contract.shard import PER_STEP, header_digest, header_intact, layout_roles, static_digest
 from statestore import shm
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
-from statestore.protocol.checksum import ALGORITHM, checksum
-from statestore.protocol.shard import PER_STEP, header_digest, header_intact, layout_roles, static_digest
 from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
 
 log = logging.getLogger(__name__)

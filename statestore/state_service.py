@@ -15,15 +15,15 @@ from typing import Any
 
 import aiohttp
 
-from dataserver.protocol.auth import bearer
-from dataserver.protocol.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
-from dataserver.protocol.restorable import Layouts, whole_steps
+from ffplane_contract import durable
+from ffplane_contract.auth import bearer
+from ffplane_contract.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
+from ffplane_contract.restorable import Layouts, whole_steps
+from ffplane_contract.shard import layout_roles
 from statestore.dataservers import DataServers
 from statestore.durable import write_shard
 from statestore.latencies import Latencies
 from statestore.link_gate import LinkGate, Priority
-from statestore.protocol import durable
-from statestore.protocol.shard import layout_roles
 from statestore.replicas import ReplicaStore
 from statestore.ring import Replicator
 from statestore.shard import CorruptCopies, LocalShard, find_local

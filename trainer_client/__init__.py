@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dataserver.protocol.errors import (
+    from ffplane_contract.errors import (
         CapacityError,
         ConflictError,
         CorruptError,
@@ -31,22 +31,22 @@ if TYPE_CHECKING:
 
 _HOME = {
     "Batch": "trainer_client.batches",
-    "CapacityError": "dataserver.protocol.errors",
+    "CapacityError": "ffplane_contract.errors",
     "Checkpointer": "trainer_client.checkpointer",
-    "CorruptError": "dataserver.protocol.errors",
-    "ConflictError": "dataserver.protocol.errors",
+    "CorruptError": "ffplane_contract.errors",
+    "ConflictError": "ffplane_contract.errors",
     "DataLoader": "trainer_client.dataloader",
-    "FFPlaneError": "dataserver.protocol.errors",
-    "FFTimeoutError": "dataserver.protocol.errors",
+    "FFPlaneError": "ffplane_contract.errors",
+    "FFTimeoutError": "ffplane_contract.errors",
     "Layout": "trainer_client.razor",
     "LinkHints": "trainer_client.link_hints",
-    "NotFoundError": "dataserver.protocol.errors",
+    "NotFoundError": "ffplane_contract.errors",
     "Restored": "trainer_client.checkpointer",
     "RngState": "trainer_client.rng",
     "StateError": "trainer_client.state_codec",
-    "TransportError": "dataserver.protocol.errors",
-    "UnauthorisedError": "dataserver.protocol.errors",
-    "UnavailableError": "dataserver.protocol.errors",
+    "TransportError": "ffplane_contract.errors",
+    "UnauthorisedError": "ffplane_contract.errors",
+    "UnavailableError": "ffplane_contract.errors",
 }
 __all__ = sorted(_HOME)
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from dataserver.protocol.errors import (
+from ffplane_contract import control as proto
+from ffplane_contract.errors import (
     FFPlaneError,
     FFTimeoutError,
     NoSlotsError,
@@ -32,8 +33,7 @@ from dataserver.protocol.errors import (
     TransportError,
     UnknownSlotError,
 )
-from dataserver.protocol.pagemap import populate_write
-from statestore.protocol import control as proto
+from ffplane_runtime.pagemap import populate_write
 from trainer_client._daemon_client import DaemonClient
 from trainer_client.pinned import Registration
 

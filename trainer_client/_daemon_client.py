@@ -1,4 +1,4 @@
-"""Blocking client of the daemon's Unix control socket (the protocol: ``statestore.protocol.control``)."""
+"""Blocking client of the daemon's Unix control socket (the protocol: ``ffplane_contract.control``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from dataserver.protocol.errors import FFTimeoutError, TransportError
-from statestore.protocol import files
-from statestore.protocol.control import Request, decode_reply, encode
+from ffplane_contract import files
+from ffplane_contract.control import Request, decode_reply, encode
+from ffplane_contract.errors import FFTimeoutError, TransportError
 from trainer_client import _goodbye
 
 _COLLECT_AFTER = 32  # unread replies (~100 bytes each) before send() collects the arrived ones

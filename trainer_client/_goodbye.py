@@ -20,8 +20,8 @@ import sys
 import threading
 from pathlib import Path
 
-from dataserver.protocol.errors import FFPlaneError
-from statestore.protocol.control import Bye
+from ffplane_contract.control import Bye
+from ffplane_contract.errors import FFPlaneError
 
 __all__ = ["watch"]
 

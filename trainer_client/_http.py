@@ -15,9 +15,9 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from dataserver.protocol.auth import bearer
-from dataserver.protocol.errors import FFPlaneError, TransportError, error_from
-from dataserver.protocol.servers import LEADER_HEADER, parse_urls
+from ffplane_contract.auth import bearer
+from ffplane_contract.errors import FFPlaneError, TransportError, error_from
+from ffplane_contract.servers import LEADER_HEADER, parse_urls
 
 
 class ServerClient:

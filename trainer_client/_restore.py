@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from dataserver.protocol.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
-from dataserver.protocol.pagemap import populate_read
-from statestore.protocol import control as proto
-from statestore.protocol import durable
-from statestore.protocol.shard import lineage as lineage_of
+from ffplane_contract import control as proto
+from ffplane_contract import durable
+from ffplane_contract.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
+from ffplane_contract.shard import lineage as lineage_of
+from ffplane_runtime.pagemap import populate_read
 from trainer_client._commit import CommitPipeline
 from trainer_client.pinned import Registration, cuda_present
 from trainer_client.razor import Layout

@@ -9,9 +9,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from dataserver.protocol.errors import CorruptError, TransportError
-from statestore.protocol.control import Get, Invalidate, Open
-from statestore.protocol.files import step_file
+from ffplane_contract.control import Get, Invalidate, Open
+from ffplane_contract.errors import CorruptError, TransportError
+from ffplane_contract.files import step_file
 from trainer_client._daemon_client import DaemonClient
 from trainer_client._http import ServerClient
 from trainer_client.batches import StepBytes

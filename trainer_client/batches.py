@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dataserver.protocol.pagemap import populate_read
+from ffplane_runtime.pagemap import populate_read
 
 Batch = dict[str, torch.Tensor | list[Any]]
 

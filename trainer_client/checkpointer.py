@@ -34,8 +34,8 @@ from typing import Any, Literal
 
 import torch
 
-from dataserver.protocol.limits import check_step
-from statestore.protocol import files
+from ffplane_contract import files
+from ffplane_contract.limits import check_step
 from trainer_client._collector import paused as collector_paused
 from trainer_client._commit import CommitPipeline, KeptCopies, _Slot
 from trainer_client._copy import copy_all

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataserver.protocol.errors import FFPlaneError
+from ffplane_contract.errors import FFPlaneError
 from trainer_client.dataloader import DataLoader
 from trainer_client.state_codec import LOADER_KIND
 

@@ -16,10 +16,10 @@ import pyarrow as pa
 import torch
 import xxhash
 
-from dataserver.protocol.auth import load_token
-from dataserver.protocol.errors import CorruptError, FFPlaneError, FFTimeoutError, TransportError
-from dataserver.protocol.servers import DATASERVER_ENV
-from statestore.protocol import files
+from ffplane_contract import files
+from ffplane_contract.auth import load_token
+from ffplane_contract.errors import CorruptError, FFPlaneError, FFTimeoutError, TransportError
+from ffplane_contract.servers import DATASERVER_ENV
 from trainer_client._device_copy import StagedBatch, stage
 from trainer_client._sources import DaemonSource, HttpSource, Step
 from trainer_client.batches import Batch, StepBytes

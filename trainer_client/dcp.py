@@ -57,10 +57,10 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from dataserver.protocol.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
-from statestore.protocol import control as proto
-from statestore.protocol import durable, files
-from statestore.protocol.shard import lineage as lineage_of
+from ffplane_contract import control as proto
+from ffplane_contract import durable, files
+from ffplane_contract.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
+from ffplane_contract.shard import lineage as lineage_of
 from trainer_client._daemon_client import DaemonClient
 from trainer_client._restore import ask_restorable, map_shard, reduce_min
 from trainer_client.checkpointer import Checkpointer, next_lineage

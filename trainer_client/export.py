@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from dataserver.protocol.errors import FFPlaneError
+from ffplane_contract.errors import FFPlaneError
 from trainer_client._restore import role_storages
 from trainer_client.dcp import DaemonReader, metadata_of, narrow, shard_items
 from trainer_client.razor import Layout

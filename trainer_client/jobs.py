@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dataserver.protocol.auth import load_token
-from dataserver.protocol.errors import ConflictError, FFPlaneError
-from dataserver.protocol.servers import DATASERVER_ENV
+from ffplane_contract.auth import load_token
+from ffplane_contract.errors import ConflictError, FFPlaneError
+from ffplane_contract.servers import DATASERVER_ENV
 from trainer_client._http import ServerClient
 
 __all__ = ["Jobs"]

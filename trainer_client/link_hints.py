@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from statestore.protocol import files
+from ffplane_contract import files
 
 
 class LinkHints:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
 
-from dataserver.protocol.etcd import DEAD_PREFIX, Etcd, EtcdUnavailable, KeyValue
+from ffplane_runtime.etcd import DEAD_PREFIX, Etcd, EtcdUnavailable, KeyValue
 
 try:  # torch's dynamic rendezvous, private parts included: pinned by pyproject's torch range
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (

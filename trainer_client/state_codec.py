@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dataserver.protocol.errors import FFPlaneError
+from ffplane_contract.errors import FFPlaneError
 from trainer_client._collector import paused as collector_paused
 from trainer_client.razor import Layout
 

@@ -48,7 +48,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from statestore.protocol.warm import warm_dir, zygotes
+from ffplane_contract.warm import warm_dir, zygotes
 
 PRELOAD_ENV = "FFPLANE_WARM_PRELOAD"
 IDLE_ENV = "FFPLANE_WARM_IDLE_S"

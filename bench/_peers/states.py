@@ -54,7 +54,7 @@ def local_form(node: Any) -> Any:
 
 def digest(state: Any) -> str:
     """XXH3 of every local tensor's bytes, in order (as the daemon checksums shards)."""
-    from statestore.protocol.checksum import streaming_checksum
+    from ffplane_contract.checksum import streaming_checksum
 
     h = streaming_checksum()
     for t in leaves(state):

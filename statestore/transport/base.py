@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataserver.protocol.errors import ConflictError, CorruptError, FFPlaneError, NotFoundError
+from ffplane_contract.errors import ConflictError, CorruptError, FFPlaneError, NotFoundError
 from statestore.replicas import Replica, ReplicaStore
 from statestore.shard import LocalShard
 

@@ -27,7 +27,7 @@ import socket
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from dataserver.protocol.errors import StaticHeaderUnknownError
+from ffplane_contract.errors import StaticHeaderUnknownError
 from statestore.link_gate import LinkGate, Priority
 from statestore.shard import LocalShard
 from statestore.transport._sockets import TCP_NOTSENT_LOWAT, push_socket_options

@@ -29,8 +29,8 @@ from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any, cast
 
-from dataserver.httpserver import BearerAuth
-from dataserver.protocol.errors import CorruptError, FFPlaneError
+from ffplane_contract.errors import CorruptError, FFPlaneError
+from ffplane_runtime.httpserver import BearerAuth
 from statestore.replicas import ReplicaStore
 from statestore.transport.bulk_wire import HEAD_SIZE, BulkFrameError, BulkHead, BulkMeta, BulkReply, Op
 

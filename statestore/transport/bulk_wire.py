@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from dataserver.protocol.limits import MAX_BYTES, MAX_STEP, check_name, check_step
-from statestore.protocol.shard import META_LIMIT, check_header
+from ffplane_contract.limits import MAX_BYTES, MAX_STEP, check_name, check_step
+from ffplane_contract.shard import META_LIMIT, check_header
 
 MAGIC = b"FFPB"
 # 2: headers carry the tree as text (tree_json), which a version-1 daemon would drop;

@@ -21,12 +21,12 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dataserver.httpserver import BearerAuth
-from dataserver.protocol.auth import bearer
-from dataserver.protocol.errors import CorruptError, FFPlaneError, TransferOrderError
-from dataserver.protocol.limits import MAX_BYTES, MAX_STEP, NAME_PATTERN, check_name, check_step
+from ffplane_contract.auth import bearer
+from ffplane_contract.errors import CorruptError, FFPlaneError, TransferOrderError
+from ffplane_contract.limits import MAX_BYTES, MAX_STEP, NAME_PATTERN, check_name, check_step
+from ffplane_contract.shard import META_LIMIT, check_header, header_intact
+from ffplane_runtime.httpserver import BearerAuth
 from statestore.link_gate import LinkGate, Priority
-from statestore.protocol.shard import META_LIMIT, check_header, header_intact
 from statestore.replicas import Replica, ReplicaStore
 from statestore.shard import LocalShard, find_local
 from statestore.slots import SlotStore

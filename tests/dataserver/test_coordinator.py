@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dataserver.protocol import heartbeat as co
+from ffplane_contract import heartbeat as co
 from ffplane_harness.local_cluster import LocalCluster
 from tests._servers import TOKEN, until
 from trainer_client import Checkpointer, Layout

@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from dataserver.protocol.etcd import ALIVE_KEY, DEAD_PREFIX
 from ffplane_harness.etcd_cluster import EtcdCluster
 from ffplane_harness.local_cluster import LocalCluster
 from ffplane_harness.netns import Netns
+from ffplane_runtime.etcd import ALIVE_KEY, DEAD_PREFIX
 from tests._servers import TOKEN, Proc, start, until
 from trainer_client import DataLoader
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dataserver.protocol.etcd import Etcd, EtcdUnavailable, parse_endpoints
 from ffplane_harness.etcd_cluster import EtcdCluster
+from ffplane_runtime.etcd import Etcd, EtcdUnavailable, parse_endpoints
 from tests._servers import TOKEN
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from dataserver.protocol import heartbeat as co
+from ffplane_contract import heartbeat as co
 from ffplane_harness.local_cluster import LocalCluster, Proc
 from tests._servers import TOKEN, until
 

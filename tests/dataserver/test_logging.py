@@ -8,7 +8,7 @@ import logging
 import re
 from pathlib import Path
 
-from dataserver.httpserver import JsonLogFormatter, TextLogFormatter
+from ffplane_runtime.httpserver import JsonLogFormatter, TextLogFormatter
 from tests._servers import start
 
 

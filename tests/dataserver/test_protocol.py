@@ -1,11 +1,11 @@
-"""Round trips of the wire formats ``dataserver.protocol`` defines: heartbeat datagrams, errors, auth."""
+"""Round trips of the wire formats ``ffplane_contract`` defines: heartbeat datagrams, errors, auth."""
 
 from __future__ import annotations
 
 import pytest
 
-from dataserver.protocol import auth, errors
-from dataserver.protocol import heartbeat as hb
+from ffplane_contract import auth, errors
+from ffplane_contract import heartbeat as hb
 
 KEY = b"job-token"
 

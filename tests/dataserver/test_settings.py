@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dataserver.cli import _parser as dataserver_parser
-from dataserver.protocol.settings import ConfigError, parse, version
+from ffplane_contract.settings import ConfigError, parse, version
 from ffplane_harness.cli import _parser as ffplane_parser
 from statestore.cli import _parser as statestore_parser
 
@@ -109,7 +109,7 @@ def test_a_missing_config_file_is_an_error_the_command_reports(tmp_path: Path) -
 
 @pytest.mark.parametrize("prog", sorted(PARSERS))
 def test_every_flag_has_help_with_its_default_and_variable(prog: str) -> None:
-    from dataserver.protocol.settings import _commands, _settable
+    from ffplane_contract.settings import _commands, _settable
 
     parser = PARSERS[prog]()
     parse(parser, _a_valid_argv(prog))
@@ -179,7 +179,7 @@ def test_a_number_out_of_range_is_refused_in_one_line_naming_its_source(
 
 @pytest.mark.parametrize("prog", sorted(PARSERS))
 def test_every_numeric_setting_has_a_range_that_refuses_nan_and_inf(prog: str) -> None:
-    from dataserver.protocol.settings import Number, _commands
+    from ffplane_contract.settings import Number, _commands
 
     parser = PARSERS[prog]()
     parse(parser, _a_valid_argv(prog))
@@ -198,7 +198,7 @@ def test_every_numeric_setting_has_a_range_that_refuses_nan_and_inf(prog: str) -
 
 
 def test_a_file_may_hold_every_commands_tables(tmp_path: Path) -> None:
-    from dataserver.protocol.settings import COMMANDS, _commands
+    from ffplane_contract.settings import COMMANDS, _commands
 
     declared = {f"{prog}.{command}" for prog, make in PARSERS.items() for command, _ in _commands(make())}
     assert set(COMMANDS) == declared  # the tables a file may hold are the commands there are

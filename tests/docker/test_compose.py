@@ -151,7 +151,7 @@ def test_the_compose_file_is_consistent() -> None:
             if arg.startswith("/") and not arg.startswith(WORKDIR):
                 assert any(arg == m or arg.startswith(m.rstrip("/") + "/") for m in mounts), f"{name}: {arg} is in none of its volumes"
         if argv[0] in OUR_COMMANDS:  # the flags parse as the command parses them
-            from dataserver.protocol.settings import parse
+            from ffplane_contract.settings import parse
 
             module = {"dataserver": "dataserver.cli", "statestore": "statestore.cli", "ffplane": "ffplane_harness.cli"}[argv[0]]
             parser = __import__(module, fromlist=["_parser"])._parser()

@@ -14,8 +14,8 @@ import pytest
 import torch
 import xxhash
 
+from ffplane_contract.shard import header_digest, static_digest
 from ffplane_harness.local_cluster import LocalCluster
-from statestore.protocol.shard import header_digest, static_digest
 from statestore.transport.bulk_wire import REPLY_HEAD_SIZE, BulkHead, BulkMeta, BulkReply, Op
 from tests._servers import TOKEN, until
 from tests.statestore.conftest import daemon_state, start_ring

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataserver.protocol.errors import CapacityError
+from ffplane_contract.errors import CapacityError
 from ffplane_harness.local_cluster import LocalCluster
 from tests.statestore.conftest import daemon_state, fill, small_tmpfs
 from trainer_client import Checkpointer

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import torch
 
+from ffplane_contract.control import Get, Open
 from ffplane_harness.local_cluster import LocalCluster
-from statestore.protocol.control import Get, Open
 from tests._servers import TOKEN, until
 from trainer_client import Checkpointer, LinkHints
 

@@ -1,4 +1,4 @@
-"""Round trips of the wire formats ``statestore.protocol`` defines: control-socket messages, the
+"""Round trips of the wire formats ``ffplane_contract`` defines: control-socket messages, the
 shard header, shared file names, the durable tier's files."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from dataserver.protocol.errors import SlotBusyError
-from statestore.protocol import control as proto
-from statestore.protocol import durable, files
-from statestore.protocol.shard import check_header, layout_roles, lineage
+from ffplane_contract import control as proto
+from ffplane_contract import durable, files
+from ffplane_contract.errors import SlotBusyError
+from ffplane_contract.shard import check_header, layout_roles, lineage
 
 REQUESTS: list[proto.Request] = [
     proto.Open("job", 3, "tok"),
@@ -111,8 +111,8 @@ def test_shared_file_names(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 
 
 def test_a_durable_shard_file_reads_back_with_its_header_and_checksum(tmp_path: Path) -> None:
+    from ffplane_contract.checksum import checksum
     from statestore.durable import write_shard
-    from statestore.protocol.checksum import checksum
 
     data = memoryview(bytes(range(256)) * 3)
     header = {"layout_roles": ["dp0-pp0-tp0"], "lineage": 1}

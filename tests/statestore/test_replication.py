@@ -298,7 +298,7 @@ def test_a_commit_waits_while_its_successor_is_briefly_declared_dead(cluster: Lo
 
 
 def _restorable_reply(c: LocalCluster, node: int, role: str) -> dict[str, Any]:
-    from statestore.protocol.control import Restorable
+    from ffplane_contract.control import Restorable
     from trainer_client._daemon_client import DaemonClient
 
     client = DaemonClient(c.socket(node), 30)

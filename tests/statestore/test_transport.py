@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import torch
 
-from dataserver.protocol.errors import FFPlaneError
+from ffplane_contract.checksum import checksum
+from ffplane_contract.errors import FFPlaneError
 from ffplane_harness.local_cluster import LocalCluster, Proc
 from statestore.index import Index
 from statestore.link_gate import GateConfig, LinkGate
-from statestore.protocol.checksum import checksum
 from statestore.replicas import ReplicaStore
 from statestore.shard import LocalShard, find_local
 from statestore.slots import SlotStore

@@ -190,7 +190,7 @@ def test_reader_sigkilled_mid_epoch_resumes_byte_identical(
 def test_daemon_sigkilled_restarts_and_reattaches_without_refetch(
     dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
 ) -> None:
-    from statestore.protocol.control import Get, Open
+    from ffplane_contract.control import Get, Open
     from trainer_client._daemon_client import DaemonClient
 
     create_job(dataserver)
@@ -228,7 +228,7 @@ def test_replies_to_requests_sent_ahead_are_read_as_their_own_type(
 ) -> None:
     """A reader sends ``Get`` without waiting; the next call reads those replies first, each as
     the answer to its own request (read as the call's type, an ``Open`` after them failed)."""
-    from statestore.protocol.control import Get, Open, OpenReply
+    from ffplane_contract.control import Get, Open, OpenReply
     from trainer_client._daemon_client import DaemonClient
 
     create_job(dataserver)

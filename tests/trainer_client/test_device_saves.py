@@ -111,7 +111,7 @@ def test_a_shard_mapped_for_device_copies_is_shared_and_read_only(tmp_path: Path
     every page of one when it is pinned long-term (0.8 s a GiB on an H100 host), and on a
     huge-page tmpfs the pin never returned. Without a pin the mapping stays private (a caller's
     in-place change cannot reach the daemon's file)."""
-    from dataserver.protocol.errors import CorruptError
+    from ffplane_contract.errors import CorruptError
     from trainer_client._restore import map_shard
 
     path = tmp_path / "shard"

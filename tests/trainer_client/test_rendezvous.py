@@ -102,7 +102,7 @@ def test_a_node_declared_dead_for_a_moment_while_agents_rejoin_ends_in_one_round
 
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from dataserver.protocol.etcd import DEAD_PREFIX
+    from ffplane_runtime.etcd import DEAD_PREFIX
     from trainer_client.rendezvous import create_handler
 
     client = etcd.client()
@@ -170,7 +170,7 @@ def test_a_verdict_on_a_node_whose_agent_still_beats_changes_nothing(etcd: EtcdC
 
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from dataserver.protocol.etcd import DEAD_PREFIX
+    from ffplane_runtime.etcd import DEAD_PREFIX
     from trainer_client.rendezvous import create_handler
 
     client = etcd.client()

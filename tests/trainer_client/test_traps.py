@@ -89,8 +89,8 @@ def test_a_step_outside_the_shared_range_is_refused_at_save_and_changes_nothing(
     """A step the coordinator could not take (2**60 > 2**53) once went through the client and the
     daemon, and then had the node's heartbeats refused for good. Now ``save`` refuses it, naming
     the range; the step before it stays the newest, and the daemon refuses it too if sent raw."""
-    from dataserver.protocol.limits import MAX_STEP
-    from statestore.protocol import control as proto
+    from ffplane_contract import control as proto
+    from ffplane_contract.limits import MAX_STEP
 
     start_daemon()
     ck = Checkpointer("bigstep", socket_path=shm_root / "daemon.sock")

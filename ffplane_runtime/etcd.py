@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dataserver.protocol.errors import UnavailableError
+from ffplane_contract.errors import UnavailableError
 
 # The nodes the coordinator declared dead: one key each, ``DEAD_PREFIX + node id``, put when it is
 # declared and deleted when it is back in the ring; its ``mod_revision`` orders it against joins.

@@ -19,9 +19,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from dataserver.protocol.restorable import Layouts, whole_steps
-from statestore.protocol.checksum import ALGORITHM, checksum
-from statestore.protocol.shard import header_digest, header_intact, layout_roles
+from ffplane_contract.checksum import ALGORITHM, checksum
+from ffplane_contract.restorable import Layouts, whole_steps
+from ffplane_contract.shard import header_digest, header_intact, layout_roles
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ costs tens of microseconds. The socket (``files.socket_path``) is created mode 0
 daemon's root, so only the node's training user reaches it. Every request is one JSON object on
 one line with its ``op``; every reply is one line, ``{"ok": true, ...}`` with the fields of the
 request's reply type, or ``{"ok": false, "status": S, "kind": K, "error": E}`` where ``kind``
-names the ``dataserver.protocol.errors`` class the daemon raised. Replies come in request order,
+names the ``ffplane_contract.errors`` class the daemon raised. Replies come in request order,
 so a client may send several requests before reading their replies.
 
 Data: ``Open`` a reader's stream (job, dp rank), then ``Get`` a step: the reply names the
@@ -26,9 +26,9 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from dataserver.protocol.errors import FFPlaneError, error_from, kind_of
-from dataserver.protocol.limits import check_name, check_step
-from statestore.protocol.shard import check_header
+from ffplane_contract.errors import FFPlaneError, error_from, kind_of
+from ffplane_contract.limits import check_name, check_step
+from ffplane_contract.shard import check_header
 
 MAX_LINE = 64 << 20  # a commit carries the shard header (one entry per tensor)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from dataserver.protocol.limits import MAX_STEP
+from ffplane_contract.limits import MAX_STEP
 
 __all__ = [
     "CONFIG_ENV",
