@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataserver.catalog import Catalog, Dataset, DatasetError, open_dataset
+from dataserver.catalog import Catalog, open_dataset
 from dataserver.config import ServeConfig
+from dataserver.dataset import Dataset, DatasetError
 from dataserver.ingest import IngestConfig, IngestError
 from dataserver.planner import Generation, Planner, StepPlan
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from dataserver._row_gather import RowGather
-from dataserver.catalog import Dataset, DatasetError
+from dataserver.dataset import Dataset, DatasetError
 from ffplane_runtime.pagemap import populate_read
 
 MANIFEST_NAME = "manifest.json"

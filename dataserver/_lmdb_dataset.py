@@ -21,7 +21,7 @@ import lmdb
 import numpy as np
 import pyarrow as pa
 
-from dataserver.catalog import Dataset, DatasetError
+from dataserver.dataset import Dataset, DatasetError
 
 META_KEY = b"__ffplane__"
 

@@ -9,50 +9,22 @@ Two served forms, both opened read-only and memory-mapped:
 
 from __future__ import annotations
 
-import abc
 import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
+from dataserver._arrow_dataset import MANIFEST_NAME, ArrowDataset
+from dataserver._lmdb_dataset import LmdbDataset
+from dataserver.dataset import Dataset, DatasetError
 from ffplane_contract.limits import is_name  # dataset (folder) names the server serves
 
 SAMPLE_INDEX_COLUMN = "_sample_index"
 
 
-class DatasetError(Exception):
-    """A dataset is missing, malformed or cannot be read; the message says which and why."""
-
-
-class Dataset(abc.ABC):
-    """A random-access table of samples."""
-
-    name: str
-    num_samples: int
-    schema: pa.Schema
-
-    @abc.abstractmethod
-    def take(self, indices: np.ndarray) -> pa.RecordBatch:
-        """Rows ``indices`` (int64, any order, each in ``[0, num_samples)``), in that order."""
-
-    def describe(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "format": type(self).__name__,
-            "num_samples": self.num_samples,
-            "columns": {f.name: str(f.type) for f in self.schema},
-        }
-
-    def close(self) -> None:  # noqa: B027 - a format without handles has nothing to release
-        """Release file handles and mappings."""
-
-
 def open_dataset(path: str | os.PathLike[str], name: str | None = None) -> Dataset:
     """Open the dataset stored at ``path``, recognising its form from its files."""
-    from dataserver._arrow_dataset import MANIFEST_NAME, ArrowDataset
-    from dataserver._lmdb_dataset import LmdbDataset
-
     p = Path(path)
     name = name or p.name
     if (p / MANIFEST_NAME).is_file():

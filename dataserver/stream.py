@@ -14,7 +14,8 @@ import pyarrow as pa
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from dataserver.catalog import Dataset, with_sample_index
+from dataserver.catalog import with_sample_index
+from dataserver.dataset import Dataset
 from dataserver.planner import Planner
 
 MEDIA_TYPE = "application/vnd.apache.arrow.stream"

@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--durable-dir", type=Path, default=None, help="read the durable tier here when no daemon answers")
     exp.add_argument("--model-key", default="model", help="the state key whose tensors go to model.safetensors")
 
-    from ffplane_harness.demo import MODELS
+    from ffplane_harness.job_runner import MODELS  # the demo's jobs (imported only to build this parser)
 
     demo = subcommand(sub, "demo", "two nodes, a killed worker, a lost node: timelines and a bitwise check")
     demo.add_argument(

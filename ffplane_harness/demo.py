@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -166,13 +165,3 @@ def run_demo(out: Path | None, steps: int, model: str, keep: bool) -> int:
         else:
             print(f"work folder kept: {work}")
     return 0 if result["bitwise_equal"] else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ffplane_harness.cli import main as cli
-
-    return cli(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,7 +32,7 @@ class DaemonClient:
             ) from exc
         self._file = self._sock.makefile("rb")
         self.root = Path(socket_path).parent
-        _goodbye.watch(socket_path)  # a clean exit of this process is then no failure to the daemon
+        _goodbye.watch(socket_path, DaemonClient)  # a clean exit of this process is then no failure to the daemon
         self._unread: deque[Request] = deque()  # sent with send(), replies read before the next call's
 
     def send(self, msg: Request) -> None:

@@ -18,9 +18,11 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
-from ffplane_contract.control import Bye
+from ffplane_contract.control import Bye, Request
 from ffplane_contract.errors import FFPlaneError
 
 __all__ = ["watch"]
@@ -28,20 +30,34 @@ __all__ = ["watch"]
 log = logging.getLogger(__name__)
 
 _BYE_TIMEOUT_S = 1.0  # per daemon, at exit: a daemon that hangs must not hold the process up
+
+
+class _Connection(Protocol):
+    def call(self, msg: Request) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+# (socket path, timeout_s) → a new connection to that daemon; raises FFPlaneError if none answers
+_Connect = Callable[[Path, float], _Connection]
+
 _lock = threading.Lock()
-_sockets: set[Path] = set()  # the daemons this process connected to
+# the daemons this process connected to, each with how to connect to it again (the caller's
+# client class: this module imports no client, which imports it)
+_sockets: dict[Path, _Connect] = {}
 _registered_pid = 0  # the process whose exit hook is registered (a forked child registers its own)
 
 
-def watch(socket_path: Path) -> None:
-    """Say ``bye`` to the daemon at ``socket_path`` when this process ends cleanly."""
+def watch(socket_path: Path, connect: _Connect) -> None:
+    """Say ``bye`` to the daemon at ``socket_path`` when this process ends cleanly, on a
+    connection of its own made by ``connect``."""
     global _registered_pid
     with _lock:
         if _registered_pid != os.getpid():  # first connection of this process (or of a forked child)
             _sockets.clear()
             _registered_pid = os.getpid()
             atexit.register(_say_bye, _registered_pid)
-        _sockets.add(Path(socket_path))
+        _sockets[Path(socket_path)] = connect
 
 
 def _crashed() -> bool:
@@ -52,14 +68,12 @@ def _crashed() -> bool:
 def _say_bye(pid: int) -> None:
     if pid != os.getpid() or _crashed():
         return  # a forked child that never connected itself, or a crash: nothing to say
-    from trainer_client._daemon_client import DaemonClient
-
     with _lock:
-        sockets = sorted(_sockets)
+        sockets = sorted(_sockets.items())
         _sockets.clear()  # once, even if the hook were run twice
-    for path in sockets:
+    for path, connect in sockets:
         try:
-            client = DaemonClient(path, _BYE_TIMEOUT_S)
+            client = connect(path, _BYE_TIMEOUT_S)
         except FFPlaneError:
             continue  # the daemon is gone: it reports nothing either
         try:

@@ -160,7 +160,7 @@ def test_ffplane_export_writes_a_dcp_directory_and_safetensors_that_stock_torch_
     writer.wait()
     writer.close()
     out = tmp_path / "exported"
-    ffplane = [sys.executable, "-m", "ffplane_harness.demo"]
+    ffplane = [sys.executable, "-m", "ffplane_harness.cli"]
     done = subprocess.run(
         [*ffplane, "export", "exp", "4", str(out), "--socket", str(sock)], capture_output=True, text=True, cwd=Path(__file__).parents[2]
     )

@@ -26,7 +26,7 @@ def test_the_demo_recovers_both_failures_bitwise_and_cleans_up(tmp_path: Path) -
     before, work_before = _left_behind(), set(Path(tempfile.gettempdir()).glob("ffplane-demo-*"))
     out = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "ffplane_harness.demo", "demo", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "ffplane_harness.cli", "demo", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((out / "demo.json").read_text())
@@ -90,7 +90,7 @@ def test_the_fsdp2_gpt_recovers_a_worker_kill_and_a_node_loss_bitwise(tmp_path: 
     neighbour's replicas. Before issue 17, the first save of the sharded state raised."""
     out = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "ffplane_harness.demo", "demo", "--model", model, "--steps", "24", "--out", str(out)],
+        [sys.executable, "-m", "ffplane_harness.cli", "demo", "--model", model, "--steps", "24", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
