@@ -61,6 +61,35 @@ def write_lmdb(path: Path, values: list[bytes], meta: dict[str, object] | None) 
     env.close()
 
 
+# Tests that start several torch processes, shape links in namespaces or run a soak: under
+# pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs the suite) they all go to one worker, so
+# two of them never share the machine's two cores; the other worker runs the light tests beside.
+_HEAVY_MODULES = {
+    "test_across_hosts",
+    "test_dcp",
+    "test_ddp_bitwise",
+    "test_demo",
+    "test_examples",
+    "test_fsdp2",
+    "test_netns_cluster",
+    "test_node_loss",
+    "test_rendezvous",
+    "test_save_kill",
+    "test_soak",
+    "test_warm_start",
+    "test_bench_smoke",
+}
+_HEAVY_FIXTURES = {"net", "etcd"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+        heavy = module in _HEAVY_MODULES or _HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if heavy or item.get_closest_marker("heavy"):
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+
+
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     """Two datasets: ``tokens`` (300 rows of 16 int32) and ``images`` (250 binary rows)."""

@@ -10,6 +10,9 @@ import pytest
 
 from bench import data_path
 
+# Own step in .ci/run (-m bench): these check a benchmark still runs, not a feature.
+pytestmark = pytest.mark.bench
+
 
 def test_data_path_smoke(tmp_path: Path) -> None:
     out = data_path.main(

@@ -18,6 +18,7 @@ def _check(result: dict[str, object], failures: int) -> None:
     assert result["bitwise_equal"] is True
 
 
+@pytest.mark.bench  # a soak at its smallest: .ci/run's benchmark step
 def test_a_short_soak_survives_every_failure_kind(tmp_path: Path) -> None:
     result = soak.main(["--failures", str(len(soak.KINDS)), "--results-dir", str(tmp_path)])
     _check(result, len(soak.KINDS))

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 from typing import Any
 
 import pytest
@@ -201,9 +202,11 @@ def test_a_dtensor_parameter_saves_the_same_header_with_grad_mode_on_or_off(mesh
 def test_encoding_a_large_state_sets_off_no_garbage_collection_and_leaves_the_collector_as_it_was() -> None:
     state = {f"t{i}": torch.zeros(1) for i in range(5000)}
     collections: list[int] = []
+    this_thread = threading.get_ident()
 
     def count(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
+        # only this thread's: a collection another thread of the test process runs is not encode's
+        if phase == "start" and threading.get_ident() == this_thread:
             collections.append(info["generation"])
 
     gc.callbacks.append(count)
