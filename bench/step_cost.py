@@ -55,7 +55,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import RESULTS, ci90_of_median, print_table, ratio, summary, write_results  # noqa: E402
 from bench._proc_cpu import CpuSampler  # noqa: E402
 from ffplane_harness.job_runner import LocalJobs  # noqa: E402
-from trainer_client.events import SKIP_ENV  # noqa: E402
 
 PLAIN = Path(__file__).resolve().parent / "_plain_job.py"
 ABLATE = Path(__file__).resolve().parent / "_ablate_job.py"
@@ -78,9 +77,9 @@ def steps_per_min(jobs: LocalJobs, variant: str, job: str, skip: frozenset[int] 
     to the last (start-up excluded), and CPU ms per step by kind of process (not counting
     ``skip``: other clusters' servers, up and idle beside this one)."""
     os.environ.pop("FFPLANE_FLOOR", None)
-    # every variant marks each step done ("saved"); the DataLoader's per-batch event (an XXH3 and
-    # a file append a step, for the chaos soak) is the harness's, and only ffplane's variants would pay it
-    os.environ[SKIP_ENV] = "batch"
+    # every variant marks each step done ("saved"); the per-batch line (an XXH3 and a file append
+    # a step, for the chaos soak) is the harness's, and only ffplane's variants would pay it
+    jobs.batch_events = False
     if variant in ("plain", "floor"):
         jobs.script = PLAIN
         jobs.script_args = ["--data", str(jobs.work / "tokens.parquet"), "--save-every", str(10**9)]
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         cpu[v].setdefault(kind, []).append(ms)
                     print(f"repeat {r} {v:12s} {rate:7.1f} steps/min  ({time.monotonic() - t:.0f} s)", flush=True)
         finally:
-            for name in ("FFPLANE_ABLATE", "FFPLANE_FLOOR", SKIP_ENV):
+            for name in ("FFPLANE_ABLATE", "FFPLANE_FLOOR"):
                 os.environ.pop(name, None)
             for jobs in clusters.values():
                 jobs.close()

@@ -1,6 +1,7 @@
 """Jobs of the example GPT script on a local cluster, one ``torchrun`` per node, as users launch
 them — with the failures ffplane must survive and the recovery timeline read back from the
-workers' events (``$FFPLANE_EVENTS_DIR``). Used by ``ffplane demo``, the chaos soak and
+workers' event files (each worker runs under ``ffplane_harness.worker``, which attaches the
+timeline's handler: ``ffplane_harness.timeline``). Used by ``ffplane demo``, the chaos soak and
 ``bench/recovery.py``; every process and shared-memory folder is ended by ``close()``.
 """
 
@@ -23,6 +24,7 @@ from ffplane_harness.etcd_cluster import EtcdCluster
 from ffplane_harness.local_cluster import LocalCluster
 from ffplane_harness.netns import Netns
 from ffplane_harness.torchrun import TorchrunNode
+from ffplane_harness.worker import entry as worker_entry
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXAMPLE = EXAMPLES / "train_ffplane.py"
@@ -56,6 +58,9 @@ class LocalJobs:
         self.max_restarts = 3  # per torchrun agent
         self.script_args: list[str] = []  # besides --job/--out/--steps
         self.warm = True  # restarted workers fork from a zygote with torch imported (warm_start)
+        # the workers' per-step "batch" lines (an XXH3 of the batch and an append a step): the
+        # chaos soak reads them; a benchmark that times steps turns them off
+        self.batch_events = True
         # set by prepare(rendezvous="ffplane" or servers > 1): job records, coordination and (with
         # the ffplane rendezvous) torchrun's rendezvous in etcd (trainer_client.rendezvous)
         self.etcd: EtcdCluster | None = None
@@ -161,7 +166,6 @@ class LocalJobs:
             "FFPLANE_DATASERVER": self.cluster.dataserver_urls,
             TOKEN_ENV: self.token,
             "FFPLANE_DAEMON_SOCKET": str(self.cluster.socket(daemon)),
-            "FFPLANE_EVENTS_DIR": str(self.events_dir / job),
         }
         place = self.net.nodes[daemon + 1] if self.net else None
         if place is not None:  # gloo binds the node's own link, not the host name's loopback
@@ -182,6 +186,7 @@ class LocalJobs:
             wrap=place.exec_argv if place else None,
             # a new node starts cold, and another LocalJobs of this process has zygotes of its own
             warm_dir=Path(f"/dev/shm/ffw-{os.getpid()}-{self.cluster.serial}-{len(self.nodes)}") if self.warm else None,
+            entry=worker_entry(self.events_dir / job, batches=self.batch_events),
         )
         if prestart and node.warm_dir is not None:
             node.prestart()

@@ -41,6 +41,9 @@ class TorchrunNode:
     # Restarted workers fork from a zygote that has torch imported (trainer_client.warm_start),
     # which keeps its socket here: one folder per node, so a replacement node starts cold.
     warm_dir: Path | None = None
+    # launcher arguments between torchrun (or warm_start) and the script: a module the script
+    # runs under, e.g. ``ffplane_harness.worker.entry(events)`` (the timeline's handler)
+    entry: list[str] = field(default_factory=list)
     popen: subprocess.Popen[bytes] | None = None
 
     def argv(self) -> list[str]:
@@ -73,6 +76,7 @@ class TorchrunNode:
             "--monitor-interval",
             "0.2",
             *(["-m", "trainer_client.warm_start"] if self.warm_dir else []),
+            *self.entry,
             str(self.script),
             *self.args,
         ]

@@ -58,7 +58,7 @@ def __getattr__(name: str) -> Any:
     if not any(n in globals() for n in _HOME):
         from trainer_client.events import emit
 
-        emit("imported")  # recovery timelines: torch and ffplane loaded (only with $FFPLANE_EVENTS_DIR)
+        emit("imported")  # the timeline's: torch and ffplane loaded (a record only for an attached handler)
     globals()[name] = value
     return value
 

@@ -12,9 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
-import pyarrow as pa
 import torch
-import xxhash
 
 from ffplane_contract import files
 from ffplane_contract.auth import load_token
@@ -23,7 +21,7 @@ from ffplane_contract.servers import DATASERVER_ENV
 from trainer_client._device_copy import StagedBatch, stage
 from trainer_client._sources import DaemonSource, HttpSource, Step
 from trainer_client.batches import Batch, StepBytes
-from trainer_client.events import emit, events_on
+from trainer_client.events import emit, enabled
 from trainer_client.pinned import cuda_present
 from trainer_client.state_codec import LOADER_KIND
 
@@ -253,8 +251,8 @@ class DataLoader:
             if not self._served:
                 self._served = True
                 emit("data_ready", step=step)
-            if events_on("batch"):
-                emit("batch", step=step, digest=_content_digest(batch))  # the chaos soak's exactly-once check
+            if enabled(logging.DEBUG):  # the timeline's per-step record; its consumer reads the batch
+                emit("batch", logging.DEBUG, step=step, batch=out)
             self._next_step = step + 1
             self._prefetch(step + 1)
             for part in _split(out, self.micro_batches):
@@ -331,14 +329,3 @@ def _split(batch: Any, k: int) -> list[Any]:
         raise ValueError(f"a step of {n} rows cannot be split into micro_batches={k}")
     bounds = [n * i // k for i in range(k + 1)]
     return [{name: col[bounds[i] : bounds[i + 1]] for name, col in batch.items()} for i in range(k)]
-
-
-def _content_digest(batch: pa.RecordBatch) -> str:
-    """XXH3 of a step's column data: the samples, not the stream's metadata (which names the
-    generation, so an elastic re-plan that plans the same samples is still the same batch)."""
-    digest = xxhash.xxh3_64()
-    for column in batch.columns:
-        for buffer in column.buffers():
-            if buffer is not None:
-                digest.update(buffer)
-    return digest.hexdigest()

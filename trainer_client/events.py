@@ -1,60 +1,47 @@
-"""Recovery timeline events, written only when ``$FFPLANE_EVENTS_DIR`` is set (the demo and the
-recovery benchmark set it): one JSON line per event in ``<dir>/events-<pid>.jsonl``.
+"""Recovery-timeline events, as records of the named logger ``ffplane.timeline`` (torchft's way:
+its ``torchft_commits`` logger). The library says what happened; whoever wants a timeline (the
+demo, the chaos soak, the recovery benchmarks: ``ffplane_harness.timeline``) attaches a handler.
 
-Kinds: ``process_start`` (the process's start time, from /proc, emitted with the first event),
-``imported`` (the first of ``trainer_client``'s public names loaded: the interpreter and torch are), ``restoring``
-(``Checkpointer.restore`` called: the process group, model and DDP are set up), ``restored`` (step, source), ``data_ready`` (the first batch after start-up is in hand, step),
-``saved`` (every save, step), ``batch`` (every batch served: step and an XXH3 of its bytes). Wall-clock seconds, so several processes' lines can be merged.
-``$FFPLANE_EVENTS_SKIP`` names kinds not written (comma-separated): a benchmark that reads only
-``saved`` leaves out ``batch``, a digest and a file append per step that its baseline never pays.
+Each record's message is the event's kind and ``record.timeline`` a :class:`TimelineEvent` (the
+kind and its fields). Kinds, at INFO: ``imported`` (the first of ``trainer_client``'s public
+names loaded: the interpreter and torch are), ``restoring`` (a restore called: the process
+group, model and DDP are set up), ``restored`` (step, source), ``data_ready`` (the first batch
+after start-up is in hand: step), ``saved`` (every save: step). At DEBUG: ``batch`` (every
+step's batch as it is handed to the training loop: step, and the batch itself, for a harness
+that checks what was trained on).
+
+Off unless asked: the logger does not propagate (a training script's
+``logging.basicConfig(level=INFO)`` must not print a line a step), and nothing is built, not
+even a record, unless a handler is attached to it and its level lets the kind through.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import threading
-import time
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
-EVENTS_ENV = "FFPLANE_EVENTS_DIR"
-SKIP_ENV = "FFPLANE_EVENTS_SKIP"
-_lock = threading.Lock()
-_started = False
+__all__ = ["TIMELINE_LOGGER", "TimelineEvent", "emit", "enabled"]
+
+TIMELINE_LOGGER = "ffplane.timeline"
+_timeline = logging.getLogger(TIMELINE_LOGGER)
+_timeline.propagate = False  # its own handlers only: the root's would print every event
 
 
-def _process_start() -> float:
-    """This process's start, wall clock (fork/exec time, before the interpreter and torch load)."""
-    try:
-        ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
-        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time()
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One event of the timeline: its kind and fields (``record.timeline`` on its log record)."""
+
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
-def _skipped(kind: str) -> bool:
-    return kind in os.environ.get(SKIP_ENV, "").split(",")
+def enabled(level: int = logging.INFO) -> bool:
+    """Whether an event at ``level`` reaches a handler: worth working out what it would say."""
+    return _timeline.isEnabledFor(level) and _timeline.hasHandlers()
 
 
-def events_on(kind: str | None = None) -> bool:
-    """Whether events (of ``kind``) are written: worth working out what one would say."""
-    return bool(os.environ.get(EVENTS_ENV)) and (kind is None or not _skipped(kind))
-
-
-def emit(kind: str, **fields: Any) -> None:
-    directory = os.environ.get(EVENTS_ENV)
-    if not directory or _skipped(kind):
-        return
-    global _started
-    now = time.time()
-    lines = []
-    with _lock:
-        if not _started:
-            _started = True
-            lines.append({"t": _process_start(), "kind": "process_start"})
-        lines.append({"t": now, "kind": kind, **fields})
-        who = {"pid": os.getpid(), "rank": int(os.environ.get("RANK", "-1")), "node": os.environ.get("FFPLANE_NODE", "")}
-        with open(os.path.join(directory, f"events-{os.getpid()}.jsonl"), "a") as f:
-            for line in lines:
-                f.write(json.dumps({**line, **who}) + "\n")
+def emit(kind: str, level: int = logging.INFO, **fields: Any) -> None:
+    """Log event ``kind`` with ``fields`` (nothing when no handler takes it)."""
+    if enabled(level):
+        _timeline.log(level, kind, extra={"timeline": TimelineEvent(kind, fields)})

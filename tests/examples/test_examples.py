@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ffplane_harness.worker import entry as worker_entry
 from tests._servers import TOKEN, Proc, until
 from tests.conftest import create_job
 from trainer_client.launch import FRESH_STORE_ENV
@@ -23,7 +24,10 @@ REPO = Path(__file__).parents[2]
 STEPS = 16
 
 
-def _torchrun(script: str, args: list[str], out: Path, env: dict[str, str], restarts: int = 0) -> subprocess.Popen[bytes]:
+def _torchrun(
+    script: str, args: list[str], out: Path, env: dict[str, str], restarts: int = 0, entry: list[str] | None = None
+) -> subprocess.Popen[bytes]:
+    """torchrun of ``script`` (``entry``: under a harness module, ``ffplane_harness.worker``'s)."""
     out.mkdir(parents=True, exist_ok=True)
     argv = [
         sys.executable,
@@ -36,6 +40,7 @@ def _torchrun(script: str, args: list[str], out: Path, env: dict[str, str], rest
         str(restarts),
         "--monitor-interval",
         "0.2",
+        *(entry or []),
         str(REPO / "examples" / script),
         *args,
         "--out",
@@ -90,10 +95,9 @@ def test_the_ffplane_example_survives_a_killed_worker_bitwise(
         create_job(dataserver, name=job, dp=2, batch_per_rank=4, max_steps=STEPS)
     _finish(_torchrun("train_ffplane.py", ["--job", "reference"], tmp_path / "reference", env), tmp_path / "reference")
 
-    events = tmp_path / "events"
-    events.mkdir()
+    events = tmp_path / "events"  # the timeline, written by the harness's handler in each worker
     out = tmp_path / "crash"
-    proc = _torchrun("train_ffplane.py", ["--job", "crash"], out, {**env, "FFPLANE_EVENTS_DIR": str(events)}, restarts=2)
+    proc = _torchrun("train_ffplane.py", ["--job", "crash"], out, env, restarts=2, entry=worker_entry(events, batches=False))
     try:
         victim = until(
             lambda: next((e for e in _events(events) if e["kind"] == "saved" and e["rank"] == 1 and int(e["step"]) >= 6), None), 180
