@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dataserver.app import create_app
     from ffplane_contract.auth import load_token
+    from ffplane_contract.errors import UnauthorisedError
     from ffplane_runtime.httpserver import die_with_parent_if_asked, serve, setup_logging
 
     die_with_parent_if_asked()
@@ -130,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    token = load_token(cfg_s.token_file)
+    try:
+        token = load_token(cfg_s.token_file)
+    except UnauthorisedError as exc:
+        print(f"dataserver serve: error: {exc}", file=sys.stderr)
+        return 2
     if token is None:
         print("dataserver serve: error: no job token; set FFPLANE_TOKEN or pass --token-file", file=sys.stderr)
         return 2

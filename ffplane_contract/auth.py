@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ffplane_contract.errors import UnauthorisedError
+
 TOKEN_ENV = "FFPLANE_TOKEN"
 TOKEN_FILE_ENV = "FFPLANE_TOKEN_FILE"
 HEADER = "Authorization"
@@ -21,14 +23,17 @@ def bearer(token: str | None) -> dict[str, str]:
 
 
 def load_token(token_file: str | None = None) -> str | None:
-    """The job's bearer token: ``token_file``, else ``$FFPLANE_TOKEN_FILE``, else ``$FFPLANE_TOKEN``."""
+    """The job's bearer token: ``token_file``, else ``$FFPLANE_TOKEN_FILE``, else ``$FFPLANE_TOKEN``
+    (None without any). A token file that cannot be read or is empty raises
+    ``UnauthorisedError``: the library's callers (``DataLoader``, ``Jobs``, ``create_app``) raise it
+    on, and the commands print it as their one-line refusal."""
     path = token_file or os.environ.get(TOKEN_FILE_ENV)
     if path:
         try:
             token = Path(path).read_text().strip()
         except OSError as exc:
-            raise SystemExit(f"cannot read the token file {path}: {exc}") from exc
+            raise UnauthorisedError(f"cannot read the token file {path}: {exc}") from exc
         if not token:
-            raise SystemExit(f"the token file {path} is empty")
+            raise UnauthorisedError(f"the token file {path} is empty")
         return token
     return os.environ.get(TOKEN_ENV) or None

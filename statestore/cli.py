@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"statestore: error: {exc}", file=sys.stderr)
         return 2
     from ffplane_contract.auth import load_token
+    from ffplane_contract.errors import UnauthorisedError
     from ffplane_runtime.httpserver import die_with_parent_if_asked, serve, setup_logging
     from statestore.daemon import Daemon, create_app
     from statestore.shm import ShmError
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         daemon = Daemon(cfg, token)
         daemon.prepare()
-    except (ShmError, ValueError) as exc:
+    except (ShmError, ValueError, UnauthorisedError) as exc:  # UnauthorisedError: the token file unreadable or empty
         print(f"statestore serve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from ffplane_contract import auth, errors
@@ -66,5 +70,24 @@ def test_the_bearer_header_and_the_token_sources(tmp_path, monkeypatch: pytest.M
     (tmp_path / "tok").write_text("from-file\n")
     assert auth.load_token(str(tmp_path / "tok")) == "from-file"
     (tmp_path / "empty").write_text("")
-    with pytest.raises(SystemExit, match="empty"):
+    with pytest.raises(errors.UnauthorisedError, match="the token file .*empty is empty"):
         auth.load_token(str(tmp_path / "empty"))
+    monkeypatch.setenv(auth.TOKEN_FILE_ENV, str(tmp_path / "absent"))  # the file wins over the variable
+    with pytest.raises(errors.UnauthorisedError, match="cannot read the token file .*absent"):
+        auth.load_token()
+
+
+def test_an_unreadable_token_file_is_an_error_library_code_raises_and_commands_refuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer_client.jobs import Jobs
+
+    monkeypatch.setenv(auth.TOKEN_FILE_ENV, str(tmp_path / "absent"))
+    with pytest.raises(errors.UnauthorisedError, match="cannot read the token file"):  # not SystemExit: a library raises
+        Jobs("http://127.0.0.1:9")
+    argv = ["serve", "--dataserver", "http://127.0.0.1:9", "--root", str(tmp_path), "--allow-non-tmpfs"]
+    r = subprocess.run(
+        [sys.executable, "-m", "statestore", *argv, "--token-file", str(tmp_path / "absent")], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("statestore serve: error: cannot read the token file")
