@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -186,7 +186,8 @@ def encode(
     """Walk ``state``; top-level keys in ``private_keys`` go to the private stream. With ``step``
     (the step being saved), a DataLoader's position is bound to it (``bind_position``). With a
     ``layout`` made from a mesh, a DTensor replicated over its dp dimensions (HSDP's replicate
-    dimension; tensor-parallel state under DDP) stays in the replicated stream (see ``dtensor``).
+    dimension; tensor-parallel state under DDP) stays in the replicated stream (see
+    ``_dtensor_recorder``).
 
     ``previous``: the last encode of the same training state, whose uint8 views of storages
     that are still there are reused (a save encodes the same tensors every step). Safe by
@@ -199,18 +200,45 @@ def encode(
     fresh = previous is None
     if previous is None:
         previous = Encoded()
-    prev_tensors, prev_keys = previous.tensors, previous.tensor_keys
-    prev_storages, prev_sources, prev_places = previous.storages, previous.sources, previous.storage_places
-    storages, sources, storage_ids, places = enc.storages, enc.sources, enc.storage_ids, enc.storage_places
-    tensors, keys, stream_nbytes = enc.tensors, enc.tensor_keys, enc.stream_nbytes
-    names, strided, tensor_type, tags = _NAMES, torch.strided, torch.Tensor, _TAGS
+    # The three parts are closures made once per save: what they share per tensor is read from
+    # their cells, not looked up as attributes (this runs once per tensor of every save).
+    tensor = _tensor_recorder(enc, previous)
+    walk = _tree_walker(tensor, _dtensor_recorder(enc, tensor, layout), private_keys, step)
+    # The walk reads tensors and never differentiates them. With grad mode on, every DTensor's
+    # to_local() was an autograd call, the most of an FSDP2 state's encode (bench/save_cpu.py's
+    # fsdp2 case). A Stateful leaf's state_dict() runs under no_grad too.
+    with torch.no_grad(), collector_paused():  # see trainer_client._collector
+        enc.tree = walk(state, (), "replicated")  # JSON by construction: walk lets nothing else through
+    if not fresh and _same_items(enc.storages, previous.storages) and _same_items(enc.sources, previous.sources):
+        enc.storage_dicts, enc.generation = previous.storage_dicts, previous.generation
+    else:
+        enc.generation = next(_GENERATIONS)
+    return enc
+
+
+_Path = tuple[str | int, ...]  # the keys that reach a node from the state's root
+
+
+class _RecordTensor(Protocol):
+    def __call__(self, t: torch.Tensor, path: _Path, at: str | int | None, stream: str, shared: bool = True) -> int: ...
+
+
+_RecordDTensor = Callable[[Any, _Path, str], int]
+_Walk = Callable[[Any, _Path, str], Any]
+
+
+def _tree_walker(tensor: _RecordTensor, dtensor: _RecordDTensor, private_keys: frozenset[str], step: int | None) -> _Walk:
+    """``walk(node, path, stream)``: ``node`` as the header's tree holds it, every tensor in it
+    recorded (in ``stream``, or the private one under a top-level key of ``private_keys``) and
+    replaced by its tag."""
+    tensor_type, tags = torch.Tensor, _TAGS
     # looked up once per save, not per tensor (see _is_dtensor: a process with DTensors has the module)
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
     # The walk runs once per save over every node of the state, so leaves that need nothing (a
     # number, a string, a plain tensor) are handled in their container's loop: no call and no
     # path made for them. A path is made only for a node walked into, and named only in errors.
-    def walk(node: Any, path: tuple[str | int, ...], stream: str) -> Any:
+    def walk(node: Any, path: _Path, stream: str) -> Any:
         if isinstance(node, tensor_type):
             if dtensor_type is not None and isinstance(node, dtensor_type):
                 return _tag(dtensor(node, path, stream))
@@ -264,7 +292,19 @@ def encode(
             "to a tensor or a dict) before save()"
         )
 
-    def tensor(t: torch.Tensor, path: tuple[str | int, ...], at: str | int | None, stream: str, shared: bool = True) -> int:
+    return walk
+
+
+def _tensor_recorder(enc: Encoded, previous: Encoded) -> _RecordTensor:
+    """``tensor(t, path, at, stream)``: records ``t`` (and its storage, once) in ``enc``, taking
+    ``previous``'s objects where they say the same; returns its index in the tensor list."""
+    prev_tensors, prev_keys = previous.tensors, previous.tensor_keys
+    prev_storages, prev_sources, prev_places = previous.storages, previous.sources, previous.storage_places
+    storages, sources, storage_ids, places = enc.storages, enc.sources, enc.storage_ids, enc.storage_places
+    tensors, keys, stream_nbytes = enc.tensors, enc.tensor_keys, enc.stream_nbytes
+    names, strided = _NAMES, torch.strided
+
+    def tensor(t: torch.Tensor, path: _Path, at: str | int | None, stream: str, shared: bool = True) -> int:
         """``t``'s index in the header's tensor list; ``(*path, at)`` names it in an error."""
         dtype = names.get(t.dtype)
         if dtype is None:
@@ -321,12 +361,18 @@ def encode(
             )  # a TensorRef's fields
         return ref
 
+    return tensor
+
+
+def _dtensor_recorder(enc: Encoded, tensor: _RecordTensor, layout: Layout | None) -> _RecordDTensor:
+    """``dtensor(t, path, stream)``: records DTensor ``t``'s local part with ``tensor`` and adds
+    its placements and mesh to its entry; returns its index in the tensor list."""
     # what a DTensor's mesh and placements say, worked out once per mesh and per placements in
     # a save (an FSDP2 state has a thousand DTensors on one mesh); shared, never mutated
     meshes: dict[int, tuple[Any, list[int], list[int], list[int] | None]] = {}
     placed: dict[Any, list[list[Any]]] = {}
 
-    def dtensor(t: Any, path: tuple[str | int, ...], stream: str) -> int:
+    def dtensor(t: Any, path: _Path, stream: str) -> int:
         """A DTensor is saved as this rank's local part: in the key's stream when every rank of
         the dp group holds the same local part, else private. The same: replicated over each of
         its mesh dimensions that ``layout`` counts as dp (a dimension of another kind — tp,
@@ -353,16 +399,7 @@ def encode(
         }
         return ref
 
-    # The walk reads tensors and never differentiates them. With grad mode on, every DTensor's
-    # to_local() was an autograd call, the most of an FSDP2 state's encode (bench/save_cpu.py's
-    # fsdp2 case). A Stateful leaf's state_dict() runs under no_grad too.
-    with torch.no_grad(), collector_paused():  # see trainer_client._collector
-        enc.tree = walk(state, (), "replicated")  # JSON by construction: walk lets nothing else through
-    if not fresh and _same_items(enc.storages, previous.storages) and _same_items(enc.sources, previous.sources):
-        enc.storage_dicts, enc.generation = previous.storage_dicts, previous.generation
-    else:
-        enc.generation = next(_GENERATIONS)
-    return enc
+    return dtensor
 
 
 def _same_items(a: list[Any], b: list[Any]) -> bool:
