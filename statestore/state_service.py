@@ -196,6 +196,37 @@ class StateService:
         step (here, on a live node, in the durable tier) is tried before the step is given up for
         an older one. The reply has the shards of those of ``roles`` that the step's layout names,
         and that layout's roles."""
+        copies = await self._copies_jobwide(job, status)
+        candidates = whole_steps(copies.anywhere, copies.layouts, below if step is None else step + 1)
+        if step is not None:
+            candidates = [step] if step in candidates else []
+        corrupt: list[str] = []
+        for chosen in candidates:
+            try:
+                wanted = [r for r in roles if r in copies.layouts.of(chosen)]
+                got = await asyncio.gather(
+                    *(self._copy_of(job, r, chosen, copies.holders(r, chosen), copies.alive, copies.on_disk_has(r, chosen)) for r in wanted)
+                )
+            except _NoIntactCopy as exc:
+                corrupt.append(str(exc))
+                log.warning(
+                    "no intact copy of a role at this step: trying an older one", extra={"job": job, "step": chosen, "error": str(exc)}
+                )
+                continue
+            return self._jobwide_reply(job, copies, chosen, dict(zip(wanted, got)), said_behind=step is None)
+        if corrupt:
+            return {
+                "step": None,
+                "source": None,
+                "shards": {},
+                "corrupt": True,
+                "message": "every copy failed its checksum: " + "; ".join(corrupt),
+            }
+        return await self._no_whole_step(job, status, copies, step)
+
+    async def _copies_jobwide(self, job: str, status: dict[str, Any]) -> _JobCopies:
+        """Every copy of ``job`` a restore may use: on live nodes as the coordinator's ``status``
+        has them, here, in the durable tier; less those found corrupt."""
         alive = {n: m["address"] for n, m in status.get("members", {}).items() if m.get("alive")}
         where: dict[str, dict[int, list[str]]] = {
             r: {int(s): [n for n in nodes if n in alive] for s, nodes in steps.items()}
@@ -219,51 +250,31 @@ class StateService:
         known = set(where) | set(on_disk)
         have = {r: {s for s, nodes in where.get(r, {}).items() if nodes} for r in known}
         anywhere = {r: have[r] | {s for s in on_disk.get(r, set()) if (job, r, s, _DURABLE) not in self._corrupt} for r in known}
-        candidates = whole_steps(anywhere, layouts, below if step is None else step + 1)
-        if step is not None:
-            candidates = [step] if step in candidates else []
-        corrupt: list[str] = []
-        for chosen in candidates:
-            try:
-                wanted = [r for r in roles if r in layouts.of(chosen)]
-                got = await asyncio.gather(
-                    *(
-                        self._copy_of(job, r, chosen, where.get(r, {}).get(chosen, []), alive, chosen in on_disk.get(r, set()))
-                        for r in wanted
-                    )
-                )
-            except _NoIntactCopy as exc:
-                corrupt.append(str(exc))
-                log.warning(
-                    "no intact copy of a role at this step: trying an older one", extra={"job": job, "step": chosen, "error": str(exc)}
-                )
-                continue
-            newest_copy = max((s for steps in anywhere.values() for s in steps), default=chosen)
-            behind = self._behind(job, chosen, newest_copy, layouts, anywhere, where) if step is None else ""
-            kinds = {g["kind"] == "durable" for g in got}
-            source = "durable" if kinds == {True} else "memory" if kinds == {False} else "memory+durable"
-            reply: dict[str, Any] = {
-                "step": chosen,
-                "source": source,
-                "shards": dict(zip(wanted, got)),
-                "roles": sorted(layouts.of(chosen)),
-            }
-            if source != "memory":
-                disk = sorted(r for r, g in zip(wanted, got) if g["kind"] == "durable")
-                reply["message"] = (
-                    f"restoring step {chosen}: {', '.join(disk)} from the durable tier {self.durable.directory} (no intact copy in memory on a live node)"
-                )
-            if behind:
-                reply["message"] = f"{reply['message']}; {behind}" if reply.get("message") else behind
-            return reply
-        if corrupt:
-            return {
-                "step": None,
-                "source": None,
-                "shards": {},
-                "corrupt": True,
-                "message": "every copy failed its checksum: " + "; ".join(corrupt),
-            }
+        return _JobCopies(alive, where, layouts, on_disk, have, anywhere)
+
+    def _jobwide_reply(
+        self, job: str, copies: _JobCopies, chosen: int, shards: dict[str, dict[str, Any]], said_behind: bool
+    ) -> dict[str, Any]:
+        """The reply restoring ``chosen`` from ``shards`` (a role's each); with ``said_behind``,
+        a step more than one behind the newest copy is said loudly (``_behind``)."""
+        newest_copy = max((s for steps in copies.anywhere.values() for s in steps), default=chosen)
+        behind = self._behind(job, chosen, newest_copy, copies.layouts, copies.anywhere, copies.where) if said_behind else ""
+        kinds = {g["kind"] == "durable" for g in shards.values()}
+        source = "durable" if kinds == {True} else "memory" if kinds == {False} else "memory+durable"
+        reply: dict[str, Any] = {"step": chosen, "source": source, "shards": shards, "roles": sorted(copies.layouts.of(chosen))}
+        if source != "memory":
+            disk = sorted(r for r, g in shards.items() if g["kind"] == "durable")
+            reply["message"] = (
+                f"restoring step {chosen}: {', '.join(disk)} from the durable tier {self.durable.directory} (no intact copy in memory on a live node)"
+            )
+        if behind:
+            reply["message"] = f"{reply['message']}; {behind}" if reply.get("message") else behind
+        return reply
+
+    async def _no_whole_step(self, job: str, status: dict[str, Any], copies: _JobCopies, step: int | None) -> dict[str, Any]:
+        """No step (or not ``step``) has a copy of every role: the durable tier's, with the reason
+        memory has none (a step no longer kept, a job that lost its copies, a fresh start)."""
+        anywhere, layouts, have = copies.anywhere, copies.layouts, copies.have
         if step is not None and (kept := whole_steps(anywhere, layouts)):
             # a step asked for by number (export, a DCP load) that is no longer kept
             return await self._durable(
@@ -456,6 +467,24 @@ class StateService:
 
 
 _DURABLE = "(durable)"  # the durable tier's copy, in ``CorruptCopies``
+
+
+@dataclass
+class _JobCopies:
+    """Where a job's copies are, as a job-wide restore sees them (``StateService._copies_jobwide``)."""
+
+    alive: dict[str, str]  # live node → its address
+    where: dict[str, dict[int, list[str]]]  # role → step → the live nodes holding a copy not found corrupt (this one first)
+    layouts: Layouts  # step → the roles of its layout
+    on_disk: dict[str, set[int]]  # role → its steps in the durable tier
+    have: dict[str, set[int]]  # role → its steps in memory on a live node
+    anywhere: dict[str, set[int]]  # role → its steps in memory or in the durable tier, less copies found corrupt
+
+    def holders(self, role: str, step: int) -> list[str]:
+        return self.where.get(role, {}).get(step, [])
+
+    def on_disk_has(self, role: str, step: int) -> bool:
+        return step in self.on_disk.get(role, set())
 
 
 class _NoIntactCopy(Exception):
