@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for r in range(args.rounds):
                 for side in ("old", "new") if r % 2 == 0 else ("new", "old"):
                     print(f"[{bench}] round {r + 1}/{args.rounds}: {side}", flush=True)
-                    figures = _run(trees[side], bench, bench_args, work / f"out-{side}")
+                    got = _run(trees[side], bench, bench_args, work / f"out-{side}")
                     for key in keys:
-                        samples.setdefault(f"{bench}/{key}", {"old": [], "new": []})[side].append(_figure(figures, key))
+                        samples.setdefault(f"{bench}/{key}", {"old": [], "new": []})[side].append(_figure(got, key))
     finally:
         for side in ("old", "new"):
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / side)], capture_output=True)
