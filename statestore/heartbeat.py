@@ -35,6 +35,7 @@ from ffplane_contract.heartbeat import (
     decode_events,
     encode_inventory,
 )
+from ffplane_contract.ring import successor
 from statestore.config import DaemonConfig
 from statestore.dataservers import DataServers
 from statestore.replicas import ReplicaStore
@@ -371,23 +372,26 @@ class _Beats:
         self.epoch, self.version = int(answer["epoch"]), int(answer["version"])
         self.members = {str(n): str(a) for n, a in answer["members"].items()}
         self.dead = {str(n) for n in answer["dead"]}
-        self._publish()
-
-    def _publish(self) -> None:
-        ring = sorted(self.members)
-        me = self.hb.config.node_id
-        if me in self.members:
-            succ = ring[(ring.index(me) + 1) % len(ring)] if len(ring) >= 2 else None
+        if "successor" in answer:  # the coordinator's, from its ring as it is now
+            succ = answer["successor"] or None
+            self._publish((succ, answer.get("successor_address") if succ else None))
         else:
-            # Out of the ring while beating: the coordinator found this node's peer port
-            # unreachable. Its own commits still go out, to where it would be in the ring: a node
-            # that cannot be reached and is then lost must not take its newest state with it.
-            after = [n for n in ring if n > me]
-            succ = (after or ring)[0] if ring else None
+            self._publish()
+
+    def _publish(self, sent: tuple[str | None, str | None] | None = None) -> None:
+        """The view the replicator reads. The successor is the coordinator's when the answer
+        ``sent`` one; a member list brought up to date here from membership events has none, so
+        the same rule (``ffplane_contract.ring``) gives it."""
+        ring = sorted(self.members)
+        if sent is not None:
+            succ, address = sent
+        else:
+            succ = successor(ring, self.hb.config.node_id)
+            address = self.members[succ] if succ else None
         self.hb.view = {
             "ring": ring,
             "successor": succ,
-            "successor_address": self.members[succ] if succ else None,
+            "successor_address": address,
             "dead": sorted(self.dead),
             "members": dict(self.members),
             "version": self.version,

@@ -187,7 +187,7 @@ class Replicator:
             view = self.heartbeat.view
             succ, addr = view.get("successor"), view.get("successor_address")
             ring = (tuple(view.get("ring", [])), tuple(view.get("dead", [])))
-            if ring != self._ring:
+            if ring != self._ring or succ != self.successor:  # (a view's successor may be newer than its member list)
                 if succ != self.successor:
                     log.info("replication target changed", extra={"from": self.successor, "to": succ})
                     if succ is None and self.successor is not None:
