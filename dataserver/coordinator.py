@@ -60,6 +60,7 @@ from ffplane_contract.heartbeat import (
     encode_events,
 )
 from ffplane_contract.restorable import Layouts, restorable_step
+from ffplane_contract.ring import successor as ring_successor
 
 log = logging.getLogger(__name__)
 
@@ -437,11 +438,7 @@ class Coordinator:
         return list(self._ring)
 
     def successor(self, node_id: str) -> str | None:
-        ring = self._ring
-        i = bisect.bisect_left(ring, node_id)
-        if i == len(ring) or ring[i] != node_id or len(ring) < 2:
-            return None
-        return ring[(i + 1) % len(ring)]
+        return ring_successor(self._ring, node_id)  # the rule the daemons apply too
 
     def dead(self) -> list[str]:
         return sorted(n for n, m in self.members.items() if not m.alive)
