@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from statestore.app import create_app
 from statestore.config import DaemonConfig
-from statestore.daemon import Daemon, create_app
+from statestore.daemon import Daemon
 from statestore.shm import ShmError
 
 __all__ = ["Daemon", "DaemonConfig", "ShmError", "create_app"]

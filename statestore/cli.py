@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     from ffplane_contract.auth import load_token
     from ffplane_contract.errors import UnauthorisedError
     from ffplane_runtime.httpserver import die_with_parent_if_asked, serve, setup_logging
-    from statestore.daemon import Daemon, create_app
+    from statestore.app import create_app
+    from statestore.daemon import Daemon
     from statestore.shm import ShmError
 
     cfg = DaemonConfig(
@@ -126,26 +127,22 @@ def main(argv: list[str] | None = None) -> int:
                 "no job token: set FFPLANE_TOKEN or FFPLANE_TOKEN_FILE, or pass --token-file (the data server's token; "
                 "without it every fetch and heartbeat would be refused)"
             )
-        daemon = Daemon(cfg, token)
-        daemon.prepare()
+        daemon = Daemon(cfg, token)  # opens the root: a refusal leaves it as it was
     except (ShmError, ValueError, UnauthorisedError) as exc:  # UnauthorisedError: the token file unreadable or empty
         print(f"statestore serve: error: {exc}", file=sys.stderr)
         return 2
-
-    def bound(port: int) -> None:
-        daemon.address = f"http://{cfg.advertised_url}:{port}"
-
-    serve(
-        create_app(daemon),
-        cfg.host,
-        cfg.port,
-        cfg.ready_file,
-        on_bound=bound,
-        socket=str(cfg.socket_path),
-        root=str(cfg.root),
-        node_id=cfg.node_id,
-        advertise=cfg.advertise_address,
-    )
+    with daemon:  # closed however serving ends: a port that cannot be bound, a failed start, a signal
+        serve(
+            create_app(daemon),
+            cfg.host,
+            cfg.port,
+            cfg.ready_file,
+            on_bound=daemon.bound,
+            socket=str(cfg.socket_path),
+            root=str(cfg.root),
+            node_id=cfg.node_id,
+            advertise=cfg.advertise_address,
+        )
     return 0
 
 

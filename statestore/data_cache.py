@@ -37,6 +37,7 @@ from ffplane_contract.auth import bearer
 from ffplane_contract.errors import CapacityError, FFPlaneError, FFTimeoutError, TransportError, UnavailableError, error_from
 from ffplane_contract.files import step_file
 from statestore import shm
+from statestore.budget import CACHE_HOLDER, Budget
 from statestore.config import DaemonConfig
 from statestore.dataservers import DataServers
 from statestore.index import Index
@@ -184,8 +185,13 @@ def _file_key(stream: Stream, cached: CachedFile) -> str:
 
 
 class DataCache:
-    def __init__(self, config: DaemonConfig, index: Index, token: str | None, gate: LinkGate | None, servers: DataServers) -> None:
+    def __init__(
+        self, config: DaemonConfig, index: Index, token: str | None, gate: LinkGate | None, servers: DataServers, budget: Budget
+    ) -> None:
+        """``budget``: the daemon's one ledger, shared with the slots and replicas; the cache
+        counts in it as ``cache``."""
         self.config = config
+        self.budget = budget
         self.servers = servers
         self.index = index
         self.token = token
@@ -193,11 +199,11 @@ class DataCache:
         self._fetch_slots = asyncio.Semaphore(config.fetch_concurrency)
         self._session: aiohttp.ClientSession | None = None
         self.bytes_fetched = 0
-        self.other_bytes: Callable[[], int] = lambda: 0  # shared memory the state slots hold
         self._reservations: set[_Reservation] = set()  # the room of the fetches under way
         self._room_freed = asyncio.Event()  # set when a reservation ends: a step a reader waits on may fit now
         self.peak_bytes = 0  # the most the cache ever held (or had reserved) at once: at most the budget
         self.gate = gate  # fetches wait at it (none: they never wait)
+        budget.register(CACHE_HOLDER, self.cached_bytes)
 
     # --- lifecycle -----------------------------------------------------------------------
     def reattach(self) -> tuple[int, int]:
@@ -322,7 +328,7 @@ class DataCache:
                     break
                 if estimate == 0 and (stream.inflight or planned):  # no step's size known yet: one first
                     break
-                fit = (self.config.budget_bytes - self.cached_bytes() - self.other_bytes() - planned) // max(estimate, 1)
+                fit = (self.budget.free() - planned) // max(estimate, 1)
                 if fit < 1:
                     if not planned:  # (otherwise the room is what this pass has just asked for)
                         log.warning(
@@ -385,20 +391,19 @@ class DataCache:
         stream, step = res.stream, res.step
         if res.preempted and not self._needed(stream, step):
             raise _PutOff(f"prefetch of {stream.key} step {step} put off: a step a reader waits on took its room")
-        budget = self.config.budget_bytes
         while (need := total - res.nbytes) > 0:
-            if self.cached_bytes() + self.other_bytes() + need <= budget:
+            if self.budget.free() >= need:
                 res.nbytes = total
                 self.peak_bytes = max(self.peak_bytes, self.cached_bytes())
                 return
             if not self._needed(stream, step):
                 raise _PutOff(f"prefetch of {stream.key} step {step} put off: the cache is at its budget")
-            self._evict_victims(lambda: self.cached_bytes() + self.other_bytes() + need <= budget)
-            if self.cached_bytes() + self.other_bytes() + need <= budget:
+            self._evict_victims(lambda: self.budget.free() >= need)
+            if self.budget.free() >= need:
                 continue
             prefetches = [r for r in self._reservations if not self._needed(r.stream, r.step)]
             stuck = self.cached_bytes() - sum(r.nbytes for r in prefetches) - res.nbytes  # what no one can free now
-            if stuck + self.other_bytes() + total > budget:
+            if stuck + self.budget.others(CACHE_HOLDER) + total > self.budget.total:
                 raise self._too_big(res, total, stuck)
             for r in prefetches:  # they stop at their next chunk; their room frees as they do
                 r.preempted = True
@@ -413,8 +418,8 @@ class DataCache:
         size = f"{res.size / mib:.1f} MiB" if res.size is not None else f"over {total / mib:.1f} MiB"
         return CapacityError(
             f"step {res.step} of {res.stream.key} ({size}) does not fit in the daemon's budget of "
-            f"{self.config.budget_bytes / mib:.1f} MiB ({stuck / mib:.1f} MiB of cached steps readers are on, "
-            f"{self.other_bytes() / mib:.1f} MiB of state slots and replicas); raise --budget-mb (and the tmpfs), or lower --window",
+            f"{self.budget.total / mib:.1f} MiB ({stuck / mib:.1f} MiB of cached steps readers are on, "
+            f"{self.budget.others(CACHE_HOLDER) / mib:.1f} MiB of state slots and replicas); raise --budget-mb (and the tmpfs), or lower --window",
         )
 
     def _evict_victims(self, enough: Callable[[], bool]) -> None:

@@ -21,7 +21,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from ffplane_contract.errors import CapacityError, CorruptError, FFPlaneError, S
 from ffplane_contract.shard import PER_STEP, header_digest, header_intact, static_digest
 from ffplane_runtime.pagemap import populate_write
 from statestore import shm
+from statestore.budget import REPLICAS_HOLDER, Budget
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
 
@@ -89,11 +90,13 @@ def _key(job: str, role: str, step: int) -> str:
 
 
 class ReplicaStore:
-    def __init__(self, root: Path, index: Index, free_bytes: Callable[[], int]) -> None:
+    def __init__(self, root: Path, index: Index, budget: Budget) -> None:
+        """``budget``: the daemon's one ledger, shared with the data cache and the slots; the
+        replicas count in it as ``replicas``."""
         self.root = root
         self._root = str(root)  # the per-push paths are strings (see index.write_sidecar)
         self.index = index
-        self._free_bytes = free_bytes  # () -> budget left for anything new
+        self.budget = budget
         self.complete: dict[tuple[str, str], dict[int, Replica]] = {}
         self._incoming: dict[tuple[str, str, int], _Incoming] = {}
         self._maps: dict[str, mmap.mmap] = {}
@@ -103,6 +106,7 @@ class ReplicaStore:
         self.received_bytes = 0
         self.reused_files = 0  # receives that landed in a spare instead of a fresh file
         self.finish_parts = Parts()  # where making a received replica count goes (/v1/state)
+        budget.register(REPLICAS_HOLDER, self.held_bytes)
 
     def reattach(self) -> int:
         n = 0
@@ -196,10 +200,10 @@ class ReplicaStore:
                 spare = None
             # a spare of this size is counted as held already: landing in it takes nothing new
             # from the budget, which is asked (a walk over the cache, slots and replicas) only without one
-            room = nbytes if spare is not None else self._free_bytes()
+            room = nbytes if spare is not None else self.budget.free()
             if nbytes > room and self._spares:  # other roles' spares give way first
                 self._release_spares()
-                room = self._free_bytes()
+                room = self.budget.free()
             if nbytes > room:
                 raise CapacityError(
                     f"no room for a {nbytes / 2**20:.1f} MiB replica of {role} step {step}: "

@@ -37,6 +37,7 @@ from ffplane_contract.errors import (
 from ffplane_contract.restorable import Layouts, whole_steps
 from ffplane_contract.shard import PER_STEP, header_digest, header_intact, layout_roles, static_digest
 from statestore import shm
+from statestore.budget import SLOTS_HOLDER, Budget
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
 from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
@@ -94,15 +95,17 @@ def version_key(job: str, role: str, step: int) -> str:
 
 
 class SlotStore:
-    def __init__(self, root: Path, index: Index, budget_bytes: int, used_elsewhere: Any) -> None:
+    def __init__(self, root: Path, index: Index, budget: Budget) -> None:
+        """``budget``: the daemon's one ledger, shared with the data cache and the replicas; the
+        slots count in it as ``slots``."""
         self.root = root
         self._root = str(root)  # the per-save paths are strings (see index.write_sidecar)
         self.index = index
-        self.budget_bytes = budget_bytes
-        self._used_elsewhere = used_elsewhere  # () -> bytes the data cache holds
+        self.budget = budget
         self.roles: dict[tuple[str, str], RoleState] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self.commit_parts = Parts()  # where a commit's time goes (/v1/state)
+        budget.register(SLOTS_HOLDER, self.slot_bytes)
 
     # --- lifecycle -----------------------------------------------------------------------
     def reattach(self) -> int:
@@ -167,7 +170,7 @@ class SlotStore:
             return rs.paths
         size = max(nbytes, 1)
         grow = SLOTS * size - self._live_bytes(rs)
-        free = self.budget_bytes - self.slot_bytes() - self._used_elsewhere()
+        free = self.budget.free()
         if grow > free:
             raise CapacityError(
                 f"role {role} of job {job} needs {SLOTS} slots x {size / 2**20:.1f} MiB but only "

@@ -49,11 +49,11 @@ _LOWAT_MAX = 1 << 20  # a receiver wakes for at least this much of a body (or al
 
 
 class BulkServer:
-    """The bulk port of a daemon: pushes land in ``replicas``. ``token``: the job's; ``budget_bytes``
-    bounds what one replica may announce."""
+    """The bulk port of a daemon: pushes land in ``replicas``. ``token``: the job's; the whole
+    budget the replicas share bounds what one replica may announce."""
 
-    def __init__(self, token: str | None, replicas: ReplicaStore, budget_bytes: int) -> None:
-        self.replicas, self.budget_bytes = replicas, budget_bytes
+    def __init__(self, token: str | None, replicas: ReplicaStore) -> None:
+        self.replicas = replicas
         self.auth = BearerAuth(token)
         self.port: int | None = None
         self.pushes = 0
@@ -104,10 +104,11 @@ class BulkServer:
         self.authed.discard(conn)
 
     def refusal(self, meta: BulkMeta) -> tuple[int, str] | None:
-        if meta.nbytes > self.budget_bytes:
+        total = self.replicas.budget.total
+        if meta.nbytes > total:
             return 413, (
                 f"a replica of {meta.nbytes / 2**20:.1f} MiB is larger than this daemon's whole budget "
-                f"({self.budget_bytes / 2**20:.1f} MiB); raise --budget-mb on this node"
+                f"({total / 2**20:.1f} MiB); raise --budget-mb on this node"
             )
         return None
 

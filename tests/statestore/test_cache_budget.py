@@ -61,6 +61,26 @@ def test_the_cache_never_holds_more_than_the_budget(
     assert stream["fetched"] >= 16 and stream["requests"] <= 2 * stream["fetched"], stream
 
 
+def test_the_cache_and_the_checkpoint_slots_share_one_budget(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    """The data cache, the slots and the replicas are given one ledger of the budget: with 4 MiB
+    of slots held, prefetching stops at the 8 MiB left of 12, though the window wants 16."""
+    create_job(dataserver, dp=1, batch_per_rank=16, max_steps=16)  # 1 MiB steps
+    budget = 12 << 20
+    daemon = start_daemon("--budget-mb", "12", "--window", "16")
+    ck = Checkpointer("j1", socket_path=shm_root / "daemon.sock")
+    ck.save(1, {"w": torch.ones(1 << 18)})  # 1 MiB a slot, 4 slots
+    ck.close()
+    slots = httpx.get(daemon.url + "/v1/state").json()["memory"]["slots_bytes"]
+    assert slots >= 4 << 20
+    memory = []
+    for _ in DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=shm_root / "daemon.sock"):
+        time.sleep(0.05)  # prefetch has time to fill what it may
+        memory.append(httpx.get(daemon.url + "/v1/state").json()["memory"])
+    assert len(memory) == 16 and all(m["slots_bytes"] == slots and m["free_bytes"] >= 0 for m in memory)
+    peak = httpx.get(daemon.url + "/v1/cache").json()["peak_bytes"]  # the most it held, or had reserved, at any moment
+    assert 0 < peak <= budget - slots  # a cache counting only itself fills the whole 12 MiB
+
+
 def test_a_step_larger_than_the_budget_is_a_clear_error(dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     create_job(dataserver, dp=1, batch_per_rank=32, max_steps=4)  # 2 MiB steps
     daemon = start_daemon("--budget-mb", "1")

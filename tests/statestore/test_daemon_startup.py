@@ -1,10 +1,26 @@
 from __future__ import annotations
 
+import asyncio
+import gc
+import logging
 import os
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tests._servers import Proc, refused_daemon
+import pytest
+
+from statestore import Daemon, DaemonConfig
+from tests._servers import TOKEN, Proc, refused_daemon
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port another socket listens on: nothing else can bind it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield int(taken.getsockname()[1])
 
 
 def test_refuses_a_budget_the_tmpfs_cannot_hold(shm_root: Path) -> None:
@@ -60,3 +76,38 @@ def test_a_data_server_url_without_a_scheme_is_named(shm_root: Path) -> None:
 def test_an_unknown_log_level_is_a_usage_error_not_a_traceback(shm_root: Path) -> None:
     r = refused_daemon(shm_root, "--log-level", "verbose")
     assert r.returncode == 2 and "invalid choice: 'verbose'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_port_that_cannot_be_bound_leaves_the_root_as_it_found_it(shm_root: Path, taken_port: int) -> None:
+    """The root is opened before the ports are bound; a start that never served closes it again."""
+    fresh = shm_root / "fresh"
+    bulk = refused_daemon(fresh, "--bulk-port", str(taken_port))  # bound in the app's start-up, after the HTTP port
+    assert bulk.returncode == 3 and "address already in use" in bulk.stderr and "Application startup failed" in bulk.stderr
+    assert not fresh.exists()  # before: the lock file and _index/ stayed behind
+    http = refused_daemon(fresh, "--port", str(taken_port))  # bound before the app starts
+    assert http.returncode == 1 and f"cannot listen on 127.0.0.1:{taken_port}" in http.stderr
+    assert not fresh.exists()
+
+
+def test_a_start_that_fails_midway_closes_what_it_had_started(shm_root: Path, taken_port: int, caplog: pytest.LogCaptureFixture) -> None:
+    """The Daemon in this process: the root opened, the transport's sessions and the data cache
+    started, then the bulk port is taken. Everything started is closed, in reverse order."""
+    fresh = shm_root / "fresh"
+    config = DaemonConfig(dataserver="http://127.0.0.1:9", root=fresh, host="127.0.0.1", bulk_port=taken_port, budget_bytes=16 << 20)
+    daemon = Daemon(config, TOKEN)
+    assert (fresh / "daemon.lock").is_file() and (fresh / "_index").is_dir()
+    daemon.bound(9)  # (never listened on: the start fails before anything is served)
+
+    async def start(daemon: Daemon) -> None:
+        async with daemon.running():
+            raise AssertionError("started with its bulk port taken")
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"), pytest.raises(OSError, match="address already in use"):
+        asyncio.run(start(daemon))
+    del daemon
+    gc.collect()  # an aiohttp session left open says so as it is collected
+    assert not [r for r in caplog.records if "Unclosed" in r.getMessage()]
+    assert not fresh.exists() and not config.socket_path.exists()  # the index closed, the lock let go, both removed
+    with Daemon(config, TOKEN):  # the lock was let go: the root opens again at once
+        assert (fresh / "daemon.lock").is_file()
+    assert not fresh.exists()

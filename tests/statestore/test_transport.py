@@ -25,6 +25,7 @@ import torch
 from ffplane_contract.checksum import checksum
 from ffplane_contract.errors import FFPlaneError
 from ffplane_harness.local_cluster import LocalCluster, Proc
+from statestore.budget import Budget
 from statestore.index import Index
 from statestore.link_gate import GateConfig, LinkGate
 from statestore.replicas import ReplicaStore
@@ -95,8 +96,9 @@ class _Here:
 async def _here(kind: _Kind, root: Path, token: str | None = TOKEN) -> AsyncIterator[_Here]:
     root.mkdir(exist_ok=True)
     index = Index(root)
-    replicas = ReplicaStore(root, index, lambda: 1 << 30)
-    slots = SlotStore(root, index, 1 << 30, lambda: 0)
+    budget = Budget(1 << 30)
+    slots = SlotStore(root, index, budget)
+    replicas = ReplicaStore(root, index, budget)
     gate = LinkGate(GateConfig(chunk_bytes=CHUNK), root)
     transport = kind.make(gate, token)
     await transport.start()
