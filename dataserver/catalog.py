@@ -18,6 +18,7 @@ import pyarrow as pa
 from dataserver._arrow_dataset import MANIFEST_NAME, ArrowDataset
 from dataserver._lmdb_dataset import LmdbDataset
 from dataserver.dataset import Dataset, DatasetError
+from ffplane_contract.errors import NotFoundError
 from ffplane_contract.limits import is_name  # dataset (folder) names the server serves
 
 SAMPLE_INDEX_COLUMN = "_sample_index"
@@ -78,13 +79,27 @@ class Catalog:
         return self._open.get(name)
 
     def get(self, name: str) -> Dataset:
+        """The dataset ``name``, opened; NotFoundError if there is none, DatasetError if it
+        cannot be opened."""
         ds = self._open.get(name)
         if ds is None:
             if not is_name(name) or not (self.root / name).is_dir():
-                raise KeyError(f"unknown dataset {name[:140]!r}; known: {self.names()}")
-            ds = open_dataset(self.root / name, name)
+                raise NotFoundError(f"unknown dataset {name[:140]!r}; known: {self.names()}")
+            try:
+                ds = open_dataset(self.root / name, name)
+            except OSError as exc:  # what a format did not put in its own words
+                raise DatasetError(str(exc)) from exc
             self._open[name] = ds
         return ds
+
+    def describe(self, name: str) -> dict[str, object]:
+        """``name``'s description, or ``{name, error}`` saying why it cannot be opened."""
+        try:
+            return self.get(name).describe()
+        except NotFoundError:
+            return {"name": name, "error": f"dataset {name!r} is not in the data directory any more"}
+        except (DatasetError, OSError) as exc:
+            return {"name": name, "error": str(exc)}
 
     def close(self) -> None:
         for ds in self._open.values():

@@ -46,6 +46,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from dataserver.records import DropLog, Drops, check_inventory, check_workers
+from ffplane_contract.errors import ConflictError, InvalidError
 from ffplane_contract.heartbeat import (
     KIND_INV,
     STATUS_OK,
@@ -67,14 +68,6 @@ log = logging.getLogger(__name__)
 _MAX_EVENTS = 1024  # membership events kept for view deltas
 _MAX_EVENT_BYTES = 6000  # larger deltas: the daemon fetches the whole view (~180 KB at 4,096 nodes)
 _VIEW_REFRESH_S = 0.1  # the encoded whole view is rebuilt at most this often (joins come in storms)
-
-
-class AddressError(ValueError):
-    """A registered address peers could not use; the message says what to do."""
-
-
-class MembershipConflict(ValueError):
-    """A registration clashes with another member (its address) or the membership limit."""
 
 
 _ADVERTISE = "start the daemon with --advertise-address set to an address its peers can reach"
@@ -103,21 +96,21 @@ def _is_loopback(host: str) -> bool:
 
 
 def address_key(address: str, client_host: str | None = None) -> tuple[str, int]:
-    """The ``(host, port)`` peers would connect to at ``address``, or AddressError if they
+    """The ``(host, port)`` peers would connect to at ``address``, or InvalidError if they
     could not: not an http(s) URL with a host, an unspecified host, or a loopback host
     registered by a client that is not itself on loopback (it would name the peer's own host)."""
     try:
         url = urlsplit(address)
         host, port = url.hostname, url.port
     except ValueError as exc:
-        raise AddressError(f"address {address!r} is not a URL ({exc}); expected http://HOST:PORT") from exc
+        raise InvalidError(f"address {address!r} is not a URL ({exc}); expected http://HOST:PORT") from exc
     if url.scheme not in ("http", "https") or not host:
-        raise AddressError(f"address {address!r} is not an http(s)://HOST:PORT URL; {_ADVERTISE}")
+        raise InvalidError(f"address {address!r} is not an http(s)://HOST:PORT URL; {_ADVERTISE}")
     ip = _host_ip(host)
     if ip is not None and ip.is_unspecified:
-        raise AddressError(f"address {address!r} names no host (an unspecified address: the bind-all one?); {_ADVERTISE}")
+        raise InvalidError(f"address {address!r} names no host (an unspecified address: the bind-all one?); {_ADVERTISE}")
     if client_host is not None and _is_loopback(host) and not _is_loopback(client_host):
-        raise AddressError(
+        raise InvalidError(
             f"address {address!r} is a loopback address but the node registers from {client_host}: "
             f"its peers would reach themselves; {_ADVERTISE}"
         )
@@ -260,8 +253,9 @@ class Coordinator:
     ) -> Drops:
         """Record a node's full heartbeat (its first one registers it). ``udp`` registers the
         daemon's UDP session: ``{"session": 16 hex digits, "counter": n, "inv_version": v}``.
-        ``client_host`` is where the request came from. Raises AddressError or
-        MembershipConflict, having changed nothing, when the registration cannot be taken.
+        ``client_host`` is where the request came from. Raises InvalidError (an address peers
+        could not use) or ConflictError (it clashes with another member's address, or the
+        membership limit), having changed nothing, when the registration cannot be taken.
         Records of ``inventory``, ``workers`` and ``exited`` that fail their check are left out
         (logged once per node and job) and returned; the rest is applied."""
         drops = Drops()
@@ -272,12 +266,12 @@ class Coordinator:
         key = address_key(address, client_host)
         owner = self._by_address.get(key)
         if owner is not None and owner != node_id:
-            raise MembershipConflict(
+            raise ConflictError(
                 f"address {address!r} is the address of live node {owner!r}; two nodes cannot share one "
                 f"(is this node's daemon started without --advertise-address?)"
             )
         if m is None and len(self.members) >= self.max_members:
-            raise MembershipConflict(
+            raise ConflictError(
                 f"the coordinator holds {len(self.members)} members (alive or dead for under {self.forget_after_s:g} s), its limit"
             )
         if m is None or not m.alive:
@@ -326,7 +320,7 @@ class Coordinator:
                 continue
             try:
                 m = Member(node_id, address, 0, seen, self.drop_log)
-            except AddressError:
+            except InvalidError:
                 continue
             if m.address_key in self._by_address:
                 continue

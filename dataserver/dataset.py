@@ -11,9 +11,12 @@ import abc
 import numpy as np
 import pyarrow as pa
 
+from ffplane_contract.errors import CorruptError
 
-class DatasetError(Exception):
-    """A dataset is missing, malformed or cannot be read; the message says which and why."""
+
+class DatasetError(CorruptError):
+    """A dataset is missing, malformed or cannot be read; the message says which and why (a
+    CorruptError: its files do not parse as the format says)."""
 
 
 class Dataset(abc.ABC):

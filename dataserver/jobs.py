@@ -27,30 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from dataserver.planner import Generation, Planner
-from ffplane_contract.limits import NAME_PATTERN, STEP_LIMIT, is_name
+from ffplane_contract.errors import ConflictError, FFPlaneError, InvalidError, NotFoundError
+from ffplane_contract.limits import LAYOUT_LIMIT, NAME_PATTERN, SEED_LIMIT, STEP_LIMIT, is_name
 
 log = logging.getLogger(__name__)
 
-SEED_LIMIT = 1 << 64  # a seed is any unsigned 64-bit integer
-LAYOUT_LIMIT = 1 << 20  # dp and batch_per_rank are at most this; their product is bounded by config
+# Errors are the shared ones: InvalidError for a request or record that breaks a rule (the
+# message says what to change), ConflictError for one that conflicts with the job as it is (its
+# definition, steps already used, a broken record), NotFoundError for an unknown job.
 _SPEC_KEYS = {"name", "dataset", "dp", "batch_per_rank", "seed", "max_steps", "generations"}
-
-
-class JobError(ValueError):
-    """A job request is invalid; the message says what to change."""
-
-
-class JobConflict(JobError):
-    """The request conflicts with the job as it is (its definition, or steps already used)."""
-
-
-class JobBroken(JobConflict):
-    """The job's record could not be loaded; the message says why and what to do."""
 
 
 def _int(value: object, what: str, lo: int, hi: int) -> int:
     if type(value) is not int or not lo <= value < hi:
-        raise JobError(f"{what} must be an integer in [{lo}, {hi}), got {value!r}")
+        raise InvalidError(f"{what} must be an integer in [{lo}, {hi}), got {value!r}")
     return value
 
 
@@ -66,9 +56,9 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         if not is_name(self.name):
-            raise JobError(f"job name {self.name!r} must match {NAME_PATTERN}")
+            raise InvalidError(f"job name {self.name!r} must match {NAME_PATTERN}")
         if not is_name(self.dataset):
-            raise JobError(f"dataset name {self.dataset!r} must match {NAME_PATTERN}")
+            raise InvalidError(f"dataset name {self.dataset!r} must match {NAME_PATTERN}")
         _int(self.dp, "dp", 1, LAYOUT_LIMIT + 1)
         _int(self.batch_per_rank, "batch_per_rank", 1, LAYOUT_LIMIT + 1)
         _int(self.seed, "seed", 0, SEED_LIMIT)
@@ -78,7 +68,7 @@ class JobSpec:
             self.generations = [Generation(0, self.dp, self.batch_per_rank)]
         first = self.generations[0]
         if (first.start_step, first.dp, first.batch_per_rank) != (0, self.dp, self.batch_per_rank):
-            raise JobError("the first generation must start at step 0 with the job's dp and batch_per_rank")
+            raise InvalidError("the first generation must start at step 0 with the job's dp and batch_per_rank")
         for g in self.generations:
             _int(g.start_step, "generation start_step", 0, STEP_LIMIT)
             _int(g.dp, "generation dp", 1, LAYOUT_LIMIT + 1)
@@ -93,20 +83,20 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, raw: object) -> JobSpec:
-        """A record as written by ``to_json``; anything else raises JobError saying what is wrong."""
+        """A record as written by ``to_json``; anything else raises InvalidError saying what is wrong."""
         if not isinstance(raw, dict):
-            raise JobError(f"the record is a JSON {type(raw).__name__}, not an object")
+            raise InvalidError(f"the record is a JSON {type(raw).__name__}, not an object")
         if set(raw) - _SPEC_KEYS or not {"name", "dataset", "dp", "batch_per_rank"} <= set(raw):
-            raise JobError(f"the record has keys {sorted(raw)}, expected {sorted(_SPEC_KEYS)}")
+            raise InvalidError(f"the record has keys {sorted(raw)}, expected {sorted(_SPEC_KEYS)}")
         gens_raw = raw.get("generations", [])
         if not isinstance(gens_raw, list) or not all(
             isinstance(g, dict) and set(g) == {"start_step", "dp", "batch_per_rank"} for g in gens_raw
         ):
-            raise JobError("the record's generations are not a list of {start_step, dp, batch_per_rank}")
+            raise InvalidError("the record's generations are not a list of {start_step, dp, batch_per_rank}")
         try:
             gens = [Generation(**g) for g in gens_raw]
         except (TypeError, ValueError) as exc:
-            raise JobError(f"a generation of the record is invalid: {exc}") from exc
+            raise InvalidError(f"a generation of the record is invalid: {exc}") from exc
         return cls(**{k: v for k, v in raw.items() if k != "generations"}, generations=gens)
 
 
@@ -114,7 +104,7 @@ def parse_record(raw: str | bytes, name: str) -> JobSpec:
     """Job ``name``'s record as stored (a file's or an etcd key's bytes); raises what is wrong."""
     spec = JobSpec.from_json(json.loads(raw))
     if spec.name != name:
-        raise JobError(f"the record names job {spec.name!r}, not {name!r}")
+        raise InvalidError(f"the record names job {spec.name!r}, not {name!r}")
     return spec
 
 
@@ -126,14 +116,14 @@ def parse_served(raw: str | bytes) -> tuple[int | None, int | None]:
         if step is not None and (type(step) is not int or step < 0):
             raise ValueError(f"step {step!r}")
     if steps[0] is None and "served_step" not in record:
-        raise KeyError("served_step")
+        raise ValueError("the record has no served_step")
     return steps[0], steps[1]
 
 
 def broken_reason(where: str, exc: Exception) -> str:
     """Why the record at ``where`` marks its job broken, for the job's view and the log."""
-    if isinstance(exc, KeyError):
-        return f"{where}: {exc.args[0] if exc.args else exc}"
+    if isinstance(exc, FFPlaneError):  # e.g. its dataset is gone: the message says so
+        return f"{where}: {exc}"
     if isinstance(exc, UnicodeDecodeError | json.JSONDecodeError):
         return f"{where}: not a JSON job record (torn or hand-edited?): {exc}"
     return f"{where}: {type(exc).__name__}: {exc}"
@@ -152,7 +142,7 @@ class Job:
 
     def check_step(self, step: int) -> None:
         if step < 0 or (self.spec.max_steps is not None and step >= self.spec.max_steps):
-            raise JobError(
+            raise InvalidError(
                 f"step {step} is outside job {self.spec.name!r}: steps run 0..{self.spec.max_steps - 1}"
                 if self.spec.max_steps is not None
                 else f"step {step} is negative"
@@ -206,7 +196,7 @@ class JobRegistry:
             return served, False, committed
         except FileNotFoundError:
             return None, False, None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
             log.warning(
                 "served-step file unreadable: generations of this job need replan_served",
                 extra={"job": name, "path": str(path), "error": str(exc)},
@@ -225,13 +215,13 @@ class JobRegistry:
         return self._jobs.get(name)
 
     def get(self, name: str) -> Job:
-        """The job; KeyError if unknown, JobBroken if its record could not be loaded."""
+        """The job; NotFoundError if unknown, ConflictError if its record could not be loaded."""
         job = self._jobs.get(name)
         if job is None:
             broken = self._broken.get(name)
             if broken is not None:
-                raise JobBroken(f"job {name!r} is broken: {broken.reason}; fix or remove its record and restart the data server")
-            raise KeyError(f"unknown job {name!r}; create it with POST /v1/jobs")
+                raise ConflictError(f"job {name!r} is broken: {broken.reason}; fix or remove its record and restart the data server")
+            raise NotFoundError(f"unknown job {name!r}; create it with POST /v1/jobs")
         return job
 
     def broken(self, name: str) -> BrokenJob | None:
@@ -244,12 +234,12 @@ class JobRegistry:
         """Create ``spec``; re-creating an identical job is a no-op returning ``created=False``."""
         with self._lock:
             if spec.name in self._broken:
-                self.get(spec.name)  # raises JobBroken
+                self.get(spec.name)  # raises ConflictError: it is broken
             existing = self._jobs.get(spec.name)
             if existing is not None:
                 if existing.spec.same_definition(spec):
                     return existing, False
-                raise JobConflict(f"job {spec.name!r} exists with a different definition; pick another name")
+                raise ConflictError(f"job {spec.name!r} exists with a different definition; pick another name")
             job = Job(spec, num_samples)
             self._persist(spec)
             self._jobs[spec.name] = job
@@ -278,32 +268,32 @@ class JobRegistry:
             return job
 
     def _check_generation(self, job: Job, gen: Generation, committed_step: int | None, replan_served: bool) -> Planner:
-        """The planner ``job`` would have with ``gen`` appended; JobConflict/JobError if refused."""
+        """The planner ``job`` would have with ``gen`` appended; ConflictError/InvalidError if refused."""
         spec, name = job.spec, job.spec.name
         start = gen.start_step
         if spec.max_steps is not None and start >= spec.max_steps:
-            raise JobError(
+            raise InvalidError(
                 f"start_step {start} is at or past job {name!r}'s max_steps {spec.max_steps}; a generation must start at a step below it"
             )
         last = spec.generations[-1]
         if start <= last.start_step:
-            raise JobConflict(
+            raise ConflictError(
                 f"a new generation must start after step {last.start_step} (the current generation's start), got start_step={start}"
             )
         committed = max((s for s in (committed_step, job.committed_step) if s is not None), default=None)
         if committed is not None and start <= committed:
-            raise JobConflict(
+            raise ConflictError(
                 f"step {committed} of job {name!r} is committed (a node holds state saved after it): "
                 f"a generation must start at step {committed + 1} or later"
             )
         if not replan_served:
             if job.served_unknown:
-                raise JobConflict(
+                raise ConflictError(
                     f"the newest step served for job {name!r} is unknown (its .served file was unreadable at start): "
                     f"send replan_served=true if no reader trained on batches from step {start} on"
                 )
             if job.served_step is not None and start <= job.served_step:
-                raise JobConflict(
+                raise ConflictError(
                     f"batches of job {name!r} up to step {job.served_step} have been served: a generation must "
                     f"start at step {job.served_step + 1} or later, or send replan_served=true if the batches from "
                     f"step {start} on were only prefetched by node caches and no worker trained on them"
@@ -311,7 +301,7 @@ class JobRegistry:
         try:
             return Planner(job.num_samples, spec.seed, [*spec.generations, gen])
         except ValueError as exc:
-            raise JobError(str(exc)) from exc
+            raise InvalidError(str(exc)) from exc
 
     async def admit(self, job: Job, last_step: int, planned_with: Planner) -> bool:
         """Before batches up to ``last_step`` of ``job`` leave: record them served. False when the

@@ -18,47 +18,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
-from typing_extensions import NotRequired, TypedDict
+from pydantic import TypeAdapter, ValidationError
 
-from dataserver.jobs import LAYOUT_LIMIT
-from ffplane_contract.limits import NAME_PATTERN, STEP_LIMIT, is_name
+from ffplane_contract.dataserver_http import DroppedRecord, InventoryEntry, Name, WorkerInfo
+from ffplane_contract.limits import NAME_PATTERN, is_name
 
-__all__ = ["DropLog", "Dropped", "Drops", "InventoryEntry", "WorkerInfo", "check_inventory", "check_workers"]
+__all__ = ["DropLog", "Drops", "check_inventory", "check_workers"]
 
 log = logging.getLogger(__name__)
 
-_NAME_LEN = 128
-_ROLE_LIMIT = 1 << 20  # roles a layout may have (dp x pp x tp), as listed in an inventory entry
 _LISTED = 32  # dropped records named one by one in a heartbeat's answer; the rest are counted
 _SHOWN_CHARS = 80  # of a bad job or role name, in a reason or a log line
-ShortStr = Annotated[str, Field(min_length=1, max_length=_NAME_LEN)]
-Name = Annotated[str, Field(min_length=1, max_length=_NAME_LEN, pattern=NAME_PATTERN)]
 
 Inventory = dict[str, dict[str, list[dict[str, Any]]]]  # job → role → committed versions
-
-
-# TypedDicts, not models: validated as strictly, but they stay the dicts the coordinator keeps
-# (a full heartbeat's inventory is parsed in ~1.5x the time of the unchecked dicts, not 2.5x).
-# Keys a later daemon may add are dropped.
-@with_config(ConfigDict(strict=True))
-class InventoryEntry(TypedDict):
-    step: Annotated[int, Field(ge=0, lt=STEP_LIMIT)]
-    checksum: NotRequired[Annotated[str, Field(max_length=128)]]
-    nbytes: NotRequired[Annotated[int, Field(ge=0, lt=1 << 62)]]
-    layout_roles: NotRequired[Annotated[list[ShortStr], Field(max_length=_ROLE_LIMIT)]]
-    replica_of: NotRequired[ShortStr]
-
-
-@with_config(ConfigDict(strict=True))
-class WorkerInfo(TypedDict):
-    pid: Annotated[int, Field(ge=0, lt=1 << 32)]
-    job: NotRequired[ShortStr]
-    role: NotRequired[ShortStr]
-    dp_rank: NotRequired[Annotated[int, Field(ge=0, lt=LAYOUT_LIMIT)]]
-
 
 _INVENTORY: TypeAdapter[Any] = TypeAdapter(dict[Name, dict[Name, list[InventoryEntry]]])
 _VERSIONS: TypeAdapter[Any] = TypeAdapter(list[InventoryEntry])
@@ -67,36 +41,24 @@ _WORKERS: TypeAdapter[Any] = TypeAdapter(list[WorkerInfo])
 _WORKER: TypeAdapter[Any] = TypeAdapter(WorkerInfo)
 
 
-@dataclass(frozen=True)
-class Dropped:
-    """One record left out of a heartbeat, and why."""
-
-    job: str  # the job it is of ("" when it names none)
-    record: str  # where it was: inventory.JOB.ROLE[i], inventory.JOB, workers[i], exited[i]
-    reason: str
-
-    def as_dict(self) -> dict[str, str]:
-        return {"job": self.job, "record": self.record, "reason": self.reason}
-
-
 @dataclass
 class Drops:
     """The records dropped from one heartbeat: the first few named, all counted."""
 
-    listed: list[Dropped] = field(default_factory=list)
+    listed: list[DroppedRecord] = field(default_factory=list)
     count: int = 0
-    firsts: dict[str, Dropped] = field(default_factory=dict)  # each job's first dropped record
+    firsts: dict[str, DroppedRecord] = field(default_factory=dict)  # each job's first dropped record
 
     def add(self, job: object, record: str, reason: str) -> None:
-        dropped = Dropped(_shown(job), record, reason)
+        dropped = DroppedRecord(job=_shown(job), record=record, reason=reason)
         self.count += 1
         if len(self.listed) < _LISTED:
             self.listed.append(dropped)
         self.firsts.setdefault(dropped.job, dropped)
 
     def answer(self) -> dict[str, Any]:
-        """The part of a heartbeat's answer that says what was dropped."""
-        return {"dropped": [d.as_dict() for d in self.listed], "dropped_count": self.count}
+        """The part of a heartbeat's answer that says what was dropped (``RingView.dropped``)."""
+        return {"dropped": [d.model_dump() for d in self.listed], "dropped_count": self.count}
 
 
 def _shown(name: object) -> str:

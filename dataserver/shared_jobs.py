@@ -25,8 +25,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dataserver.jobs import BrokenJob, Job, JobConflict, JobRegistry, JobSpec, broken_reason, parse_record, parse_served
+from dataserver.jobs import BrokenJob, Job, JobRegistry, JobSpec, broken_reason, parse_record, parse_served
 from dataserver.planner import Generation, Planner
+from ffplane_contract.errors import ConflictError
 from ffplane_runtime.etcd import Etcd, KeyValue
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class EtcdJobRegistry(JobRegistry):
                 served = side.read_bytes() if side.exists() else None
                 if served is not None:
                     parse_served(served)  # an unreadable one is not carried over
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            except (OSError, ValueError, TypeError, AttributeError) as exc:
                 log.warning("job record file not imported into etcd", extra={"job": name, "path": str(path), "error": str(exc)})
                 continue
             puts = {_spec_key(name): json.dumps(spec.to_json()).encode()}
@@ -115,7 +116,7 @@ class EtcdJobRegistry(JobRegistry):
             return
         try:
             served, committed = parse_served(kv.value)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError) as exc:
             job.served_unknown = True
             log.warning(
                 "served-step key unreadable: generations of this job need replan_served", extra={"job": job.spec.name, "error": str(exc)}
@@ -155,10 +156,10 @@ class EtcdJobRegistry(JobRegistry):
         rev, now = self._etcd.txn({key: 0}, {key: json.dumps(spec.to_json()).encode()})
         if rev is None:
             self._take(spec.name, now[key], self._etcd.get(_served_key(spec.name), retry_s=_RETRY_S))
-            existing = self.get(spec.name)  # raises JobBroken for a broken record
+            existing = self.get(spec.name)  # raises ConflictError for a broken record
             if existing.spec.same_definition(spec):
                 return existing, False
-            raise JobConflict(f"job {spec.name!r} exists with a different definition; pick another name")
+            raise ConflictError(f"job {spec.name!r} exists with a different definition; pick another name")
         with self._lock:
             job = self._jobs[spec.name] = Job(spec, num_samples)
             job.record_rev = rev
@@ -184,7 +185,7 @@ class EtcdJobRegistry(JobRegistry):
                 with self._lock:
                     job.spec, job.planner, job.record_rev = new_spec, planner, rev
                 return job
-        raise JobConflict(f"job {name!r} kept changing under this request (other data servers serving it); send it again")
+        raise ConflictError(f"job {name!r} kept changing under this request (other data servers serving it); send it again")
 
     async def admit(self, job: Job, last_step: int, planned_with: Planner) -> bool:
         return await asyncio.to_thread(self._admit, job, last_step, planned_with)
@@ -216,7 +217,7 @@ class EtcdJobRegistry(JobRegistry):
                 return False
             with self._lock:
                 self._absorb_served(job, now.get(_served_key(name)))
-        raise JobConflict(f"the served step of job {name!r} kept moving under this request; ask again")
+        raise ConflictError(f"the served step of job {name!r} kept moving under this request; ask again")
 
     def note_served(self, job: Job, last_step: int) -> None:
         self._admit(job, last_step, job.planner)

@@ -36,6 +36,7 @@ class NotFoundError(FFPlaneError):
 
 class ConflictError(FFPlaneError):
     """The request does not fit the state the server is in now; the message says which state.
+
     The subclasses below are the conflicts a client acts on."""
 
     status = 409
@@ -77,9 +78,32 @@ class CorruptError(FFPlaneError):
     status = 422
 
 
+class InvalidError(FFPlaneError, ValueError):
+    """A value breaks its rule or its bound (a name, a layout, an address, a field of a record or
+    a body, a body not sent as JSON); the message names the value and the rule.
+
+    A ValueError too, as a bad value is in Python."""
+
+    status = 422
+
+
+class NotCoordinatorError(FFPlaneError):
+    """This data server does not coordinate now: send the request to the one that does (over
+    HTTP, the X-FFplane-Leader header names it; empty while none does).
+
+    ``leader``: that server's URL, None while none coordinates."""
+
+    status = 421
+
+    def __init__(self, message: str, status: int | None = None, *, leader: str | None = None) -> None:
+        super().__init__(message, status)
+        self.leader = leader
+
+
 class CapacityError(FFPlaneError):
     """The memory budget (or the tmpfs) cannot hold what was asked:
-    raise the daemon's --budget-mb and the tmpfs size, or ask for less."""
+    raise the daemon's --budget-mb and the tmpfs size, or ask for less.
+    Over HTTP, a request for more than a server answers at once is 413."""
 
     status = 507
 
@@ -117,6 +141,8 @@ _KINDS: dict[str, type[FFPlaneError]] = {
         NoSlotsError,
         StaticHeaderUnknownError,
         CorruptError,
+        InvalidError,
+        NotCoordinatorError,
         CapacityError,
         TransportError,
         UnavailableError,

@@ -17,11 +17,21 @@ STEP_LIMIT = 1 << 53
 MAX_STEP = STEP_LIMIT - 1
 # Steps one batch request may ask for: the schema's bound; --max-steps-per-request is at most this.
 MAX_COUNT = 1 << 16
+# A data server's default --max-steps-per-request, and so the most a daemon's --fetch-steps asks
+# for in one request (more would be refused by a server left at its default).
+DEFAULT_STEPS_PER_REQUEST = 256
 # A byte size or offset of a shard, from a peer: what a signed 64-bit file offset can address.
 MAX_BYTES = (1 << 63) - 1
 # Job, role and dataset names: no path separators, no leading dot, and short enough to be a file
 # name everywhere (a 256-character name made the file system answer ENAMETOOLONG).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+NAME_LEN = 128  # the longest name NAME_PATTERN admits, stated apart for schemas (maxLength)
+# A node's id: a name that may also hold ':' (host:port ids), as long.
+NODE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$"
+# A job's layout: dp and batch_per_rank are at most this (their product is bounded by the data
+# server's config), and so is a dp rank.
+LAYOUT_LIMIT = 1 << 20
+SEED_LIMIT = 1 << 64  # a seed is any unsigned 64-bit integer
 _NAME = re.compile(NAME_PATTERN)
 
 
