@@ -11,7 +11,6 @@ members' addresses.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -23,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from ffplane_contract.auth import bearer
+from ffplane_contract.dataserver_http import HeartbeatBody, RingView, UdpSession
 from ffplane_contract.heartbeat import (
     KIND_BEAT,
     KIND_INV,
@@ -318,24 +318,24 @@ class _Beats:
         hb = self.hb
         exited, hb._exited = hb._exited, []
         self.counter += 1
-        body: dict[str, Any] = {
-            "node_id": hb.config.node_id,
-            "address": ident[0],
-            "budget_bytes": ident[1],
-            "inventory": inventory,
-            "workers": workers,
-            "exited": exited,
-        }
-        if self.key is not None:
-            body["udp"] = {"session": self.session_id.hex(), "counter": self.counter, "inv_version": self.counter}
-        try:
+        udp = UdpSession(session=self.session_id.hex(), counter=self.counter, inv_version=self.counter) if self.key is not None else None
+        try:  # the body checked here as the coordinator will (a ValueError if it breaks a bound)
+            body = HeartbeatBody(
+                node_id=hb.config.node_id,
+                address=ident[0],
+                budget_bytes=ident[1],
+                inventory=inventory,
+                workers=workers,
+                exited=exited,
+                udp=udp,
+            )
             # two tries: a server that no longer coordinates names the one that does
             status, raw = await self.servers.coordinator(
-                self.http, "POST", "/v1/nodes/heartbeat", attempts=2, json=body, headers=self.headers
+                self.http, "POST", "/v1/nodes/heartbeat", attempts=2, json=body.model_dump(exclude_none=True), headers=self.headers
             )
             if status != 200:
                 raise ValueError(f"HTTP {status}: {raw[:300].decode(errors='replace')}")
-            answer = json.loads(raw)
+            answer = RingView.model_validate_json(raw)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             hb._exited = exited + hb._exited  # say it again next time
             hb.failed += 1
@@ -348,14 +348,9 @@ class _Beats:
         hb.sent += 1
         hb.answered_at = time.monotonic()
         self.acked, self.inv_version = (*ident, payload), self.counter
-        if not (isinstance(answer, dict) and "members" in answer and "epoch" in answer):
-            hb.view = answer  # a data server without UDP heartbeats
-            self.udp_port = None
-            return
         self._set_view(answer)
-        port = answer.get("udp_port")
-        if port != self.udp_port:
-            self.udp_port, self.udp_addr = (int(port) if port else None), None
+        if answer.udp_port != self.udp_port:
+            self.udp_port, self.udp_addr = answer.udp_port or None, None
 
     async def _get_view(self) -> None:
         try:
@@ -364,19 +359,15 @@ class _Beats:
             )
             if status != 200:
                 raise ValueError(f"HTTP {status}: {raw[:300].decode(errors='replace')}")
-            self._set_view(json.loads(raw))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+            self._set_view(RingView.model_validate_json(raw))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             log.warning("cannot fetch the ring view", extra={"dataserver": self.servers.leader, "error": str(exc)})
 
-    def _set_view(self, answer: dict[str, Any]) -> None:
-        self.epoch, self.version = int(answer["epoch"]), int(answer["version"])
-        self.members = {str(n): str(a) for n, a in answer["members"].items()}
-        self.dead = {str(n) for n in answer["dead"]}
-        if "successor" in answer:  # the coordinator's, from its ring as it is now
-            succ = answer["successor"] or None
-            self._publish((succ, answer.get("successor_address") if succ else None))
-        else:
-            self._publish()
+    def _set_view(self, view: RingView) -> None:
+        self.epoch, self.version = view.epoch, view.version
+        self.members, self.dead = dict(view.members), set(view.dead)
+        succ = view.successor or None  # the coordinator's, from its ring as it is now
+        self._publish((succ, view.successor_address if succ else None))
 
     def _publish(self, sent: tuple[str | None, str | None] | None = None) -> None:
         """The view the replicator reads. The successor is the coordinator's when the answer
