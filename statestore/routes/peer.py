@@ -27,7 +27,7 @@ from ffplane_contract.daemon_http import (
     Transfer,
     WholeReceived,
 )
-from ffplane_contract.errors import CapacityError, ConflictError, FFPlaneError, NotFoundError, TransferOrderError
+from ffplane_contract.errors import CapacityError, ConflictError, InvalidError, NotFoundError, TransferOrderError
 from ffplane_contract.limits import check_name, check_step
 from ffplane_contract.shard import META_LIMIT
 from statestore.daemon import Node
@@ -97,12 +97,12 @@ async def replica_begin(job: JobName, role: RoleName, step: Step, request: Reque
     async for piece in request.stream():  # no Content-Length (chunked): counted as it comes
         body += piece
         if len(body) > META_LIMIT:
-            raise FFPlaneError(f"replica metadata over {META_LIMIT} bytes", 413)
+            raise CapacityError(f"replica metadata over {META_LIMIT} bytes")
     try:
         meta = ReplicaMeta.model_validate_json(bytes(body))
     except ValueError as exc:
-        raise FFPlaneError(
-            f"replica begin needs a JSON body with nbytes, checksum, header and source: {' '.join(str(exc).split())}", 422
+        raise InvalidError(
+            f"replica begin needs a JSON body with nbytes, checksum, header and source: {' '.join(str(exc).split())}"
         ) from exc
     return {"received": _begin(node, job, role, step, meta)}
 
@@ -134,7 +134,7 @@ async def replica_whole(job: JobName, role: RoleName, step: Step, request: Reque
     try:
         meta, rest = await read_meta_prefix(request.stream(), META_LIMIT)
     except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
-        raise FFPlaneError(f"a whole replica starts with its metadata (u32 length, then JSON): {exc}", 422) from exc
+        raise InvalidError(f"a whole replica starts with its metadata (u32 length, then JSON): {exc}") from exc
     offset = _begin(node, job, role, step, meta)
     if offset:
         async for _ in rest:  # read to the end, so the connection stays usable
@@ -167,7 +167,7 @@ def _begin(node: Node, job: str, role: str, step: int, meta: Any) -> int:
         m = ReplicaMeta.model_validate(meta)
         args = (check_name(job), check_name(role), check_step(step), m.nbytes, m.checksum, m.header, m.source)
     except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
-        raise FFPlaneError(f"replica metadata needs nbytes, checksum, header and source: {' '.join(str(exc).split())}", 422) from exc
+        raise InvalidError(f"replica metadata needs nbytes, checksum, header and source: {' '.join(str(exc).split())}") from exc
     total = node.root.budget.total
     if m.nbytes > total:  # could never fit, whatever leaves: say so
         raise CapacityError(
