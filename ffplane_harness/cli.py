@@ -1,141 +1,68 @@
 """The ``ffplane`` command: ``job create|list|show|delete``, ``status``, ``export``, ``demo``.
 
 Settings come from flags, ``$FFPLANE_<FLAG>`` (``$FFPLANE_DATASERVER``, ``$FFPLANE_TOKEN_FILE``),
-the ``[ffplane.<command>]`` tables of ``--config``, then defaults (``ffplane_contract.settings``).
+the ``[ffplane.<command>]`` tables of ``--config``, then defaults: each declared once in
+``ffplane_harness.config`` (``ffplane_contract.settings``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from dataserver.jobs import LAYOUT_LIMIT, SEED_LIMIT
-from ffplane_contract.auth import load_token
+from ffplane_contract.auth import TOKEN_ENV, read_token
 from ffplane_contract.errors import FFPlaneError, NotFoundError
-from ffplane_contract.limits import MAX_STEP, STEP_LIMIT
-from ffplane_contract.settings import ConfigError, Number, command_parser, parse, positive_int, positive_seconds, subcommand
-
-_LAYOUT = Number(int, 1, LAYOUT_LIMIT)
-_SEED = Number(int, 0, SEED_LIMIT - 1)
-_STEP = Number(int, 0, MAX_STEP)
-_MAX_STEPS = Number(int, 1, STEP_LIMIT)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = command_parser("ffplane", "ffplane: jobs, the cluster's state, exports, and a demo on this machine")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    job = subcommand(sub, "job", "create, list, show or delete jobs on the data servers")
-    jobs = job.add_subparsers(dest="job_command", required=True)
-    create = subcommand(jobs, "create", "create a job (an identical one that exists is left as it is)")
-    create.add_argument("name", help="the job's name (letters, digits, '-', '_', '.')")
-    create.add_argument("--dataset", required=True, help="a dataset the data server serves (GET /v1/datasets)")
-    create.add_argument("--dp", type=_LAYOUT, required=True, help="data-parallel ranks")
-    create.add_argument("--batch-per-rank", type=_LAYOUT, required=True, help="samples per rank per step")
-    create.add_argument("--seed", type=_SEED, default=0, help="the plan's shuffle seed")
-    create.add_argument("--max-steps", type=_MAX_STEPS, default=None, help="the job's length in optimizer steps (none: unbounded)")
-    for name, help_ in (
-        ("list", "the jobs' names"),
-        ("show", "a job's record as JSON"),
-        ("delete", "forget a job (daemons keep its checkpoints)"),
-    ):
-        cmd = subcommand(jobs, name, help_)
-        if name != "list":
-            cmd.add_argument("name", help="the job's name")
-    for cmd in (create, *(jobs.choices[n] for n in ("list", "show", "delete"))):
-        _server_flags(cmd)
-
-    status = subcommand(sub, "status", "the cluster as a table: nodes, roles and their restorable step, replicas, cache, gate")
-    status.add_argument("--job", default=None, help="only this job (default: every job)")
-    status.add_argument("--json", action="store_true", help="print the gathered JSON instead of the table")
-    _server_flags(status)
-
-    exp = subcommand(sub, "export", "a saved step as a plain DCP checkpoint directory (+ model.safetensors), readable without ffplane")
-    exp.add_argument("job", help="the job")
-    exp.add_argument("step", type=_STEP, help="the step to export")
-    exp.add_argument("directory", type=Path, help="where the DCP checkpoint goes")
-    exp.add_argument(  # dest daemon_socket: its variable is the one every process reads, $FFPLANE_DAEMON_SOCKET
-        "--daemon-socket",
-        "--socket",
-        dest="daemon_socket",
-        type=Path,
-        default=None,
-        help="the node daemon's socket (default: /dev/shm/ffplane/daemon.sock)",
-    )
-    exp.add_argument("--durable-dir", type=Path, default=None, help="read the durable tier here when no daemon answers")
-    exp.add_argument("--model-key", default="model", help="the state key whose tensors go to model.safetensors")
-
-    from ffplane_harness.job_runner import MODELS  # the demo's jobs (imported only to build this parser)
-
-    demo = subcommand(sub, "demo", "two nodes, a killed worker, a lost node: timelines and a bitwise check")
-    demo.add_argument(
-        "--out", type=Path, default=None, help="where demo.json and the PNGs go (default: a new folder in the temp dir, printed)"
-    )
-    demo.add_argument("--steps", type=positive_int, default=40, help="training steps of the demo job")
-    demo.add_argument(
-        "--model",
-        choices=sorted(MODELS),
-        default="gpt",
-        help="gpt: the GPT under DDP; fsdp2: sharded with fully_shard, saved by the Checkpointer; fsdp2-dcp: the same through dcp.save/load",
-    )
-    demo.add_argument("--keep", action="store_true", help="keep the work folder (logs, events)")
-    return p
-
-
-def _server_flags(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--dataserver", default=None, help="data server URL(s), comma-separated")
-    cmd.add_argument("--token-file", default=None, help="the job token's file (else $FFPLANE_TOKEN)")
-    cmd.add_argument("--timeout-s", type=positive_seconds, default=10.0, help="per request")
+from ffplane_contract.settings import ConfigError
+from ffplane_harness.config import PROGRAM
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = parse(_parser(), argv)
-        if args.command == "demo":
+        command, cfg = PROGRAM.parse(argv, os.environ)
+        if command == "demo":
             from ffplane_harness.demo import run_demo
 
-            return run_demo(args.out, args.steps, args.model, args.keep)
-        if args.command == "export":
+            return run_demo(cfg.out, cfg.steps, cfg.model, cfg.keep)
+        if command == "export":
             from trainer_client.export import export
 
             done = export(
-                args.job, args.step, args.directory, socket_path=args.daemon_socket, durable_dir=args.durable_dir, model_key=args.model_key
+                cfg.job, cfg.step, cfg.directory, socket_path=cfg.daemon_socket, durable_dir=cfg.durable_dir, model_key=cfg.model_key
             )
             print(
-                f"step {done.step} of {args.job}: {done.items} items in {done.directory}, {done.model_tensors} tensors in model.safetensors"
+                f"step {done.step} of {cfg.job}: {done.items} items in {done.directory}, {done.model_tensors} tensors in model.safetensors"
             )
             return 0
         from trainer_client.jobs import Jobs
 
-        if not args.dataserver:  # Jobs() would say it in Python's words (dataserver='...')
+        if not cfg.dataserver:  # Jobs() would say it in Python's words (dataserver='...')
             raise ValueError("no data server: pass --dataserver http://HOST:PORT or set $FFPLANE_DATASERVER")
-        client = Jobs(args.dataserver, load_token(args.token_file), args.timeout_s)
-        if args.command == "status":
+        client = Jobs(cfg.dataserver, read_token(cfg.token_file, os.environ.get(TOKEN_ENV)), cfg.timeout_s)
+        if command == "status":
             cluster = client.cluster()
-            print(json.dumps(cluster, indent=1) if args.json else render_status(cluster, args.job))
+            print(json.dumps(cluster, indent=1) if cfg.as_json else render_status(cluster, cfg.job))
             return 0
-        return _job(client, args)
+        return _job(client, command.split()[1], cfg)
     except (ConfigError, ValueError, FFPlaneError) as exc:
         print(f"ffplane: error: {exc}", file=sys.stderr)
         return 2
 
 
-def _job(client: Any, args: argparse.Namespace) -> int:
-    if args.job_command == "create":
-        job = client.create(args.name, args.dataset, args.dp, args.batch_per_rank, args.seed, args.max_steps)
-        print(f"job {job['name']}: dataset {args.dataset}, dp {args.dp} x {args.batch_per_rank} per step, max_steps {job.get('max_steps')}")
-    elif args.job_command == "list":
+def _job(client: Any, what: str, cfg: Any) -> int:
+    if what == "create":
+        job = client.create(cfg.name, cfg.dataset, cfg.dp, cfg.batch_per_rank, cfg.seed, cfg.max_steps)
+        print(f"job {job['name']}: dataset {cfg.dataset}, dp {cfg.dp} x {cfg.batch_per_rank} per step, max_steps {job.get('max_steps')}")
+    elif what == "list":
         print("\n".join(client.list()))
-    elif args.job_command == "show":
-        print(json.dumps(_known(client, "get", args.name), indent=1))
+    elif what == "show":
+        print(json.dumps(_known(client, "get", cfg.name), indent=1))
     else:
-        _known(client, "delete", args.name)
-        print(f"job {args.name} deleted")
+        _known(client, "delete", cfg.name)
+        print(f"job {cfg.name} deleted")
     return 0
 
 

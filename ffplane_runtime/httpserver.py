@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import uvicorn
@@ -75,10 +75,11 @@ def _extras(record: logging.LogRecord, std: set[str]) -> dict[str, Any]:
     return {k: v for k, v in record.__dict__.items() if k not in std}
 
 
-def die_with_parent_if_asked() -> None:
-    """With ``$FFPLANE_DIE_WITH_PARENT=1`` (set by test and benchmark launchers): SIGTERM this
-    server when the process that started it dies, even by SIGKILL, so nothing is orphaned."""
-    if os.environ.get(DIE_WITH_PARENT_ENV) != "1":
+def die_with_parent_if_asked(environ: Mapping[str, str]) -> None:
+    """With ``$FFPLANE_DIE_WITH_PARENT=1`` in ``environ`` (a server's ``main`` hands it its
+    environment; test and benchmark launchers set it): SIGTERM this server when the process that
+    started it dies, even by SIGKILL, so nothing is orphaned."""
+    if environ.get(DIE_WITH_PARENT_ENV) != "1":
         return
     parent = os.getppid()
     try:

@@ -1,46 +1,109 @@
-"""The node daemon's one configuration object; ``statestore serve`` mirrors it flag for flag."""
+"""The node daemon's one configuration object: each setting declared once (type, default, range,
+help); ``statestore serve``'s flags, ``$FFPLANE_STATESTORE_*`` variables, ``[statestore.serve]``
+file keys and ``--help`` are derived from it (``ffplane_contract.settings``)."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+from pydantic import AfterValidator, Field, model_validator
+
 from ffplane_contract.files import DEFAULT_ROOT, SOCKET_NAME
+from ffplane_contract.limits import DEFAULT_STEPS_PER_REQUEST
 from ffplane_contract.servers import parse_urls
+from ffplane_contract.settings import (
+    LogFormat,
+    LogLevel,
+    NonNegInt,
+    NonNegSeconds,
+    Port,
+    PortOrOff,
+    PositiveInt,
+    PositiveSeconds,
+    RateMbit,
+    Settings,
+    Unit,
+)
 from statestore.link_gate import GateConfig
 
-_MAX_FETCH_STEPS = 256
+
+def _urls(spec: str) -> str:
+    return ",".join(parse_urls(spec))  # ValueError naming an entry that is no URL
 
 
-@dataclass
-class DaemonConfig:
-    dataserver: str  # base URL of the job's data server, e.g. http://10.0.0.1:8470; several comma-separated
-    root: Path = DEFAULT_ROOT  # on tmpfs; data cache, slots and the LMDB index live here
-    host: str = ""  # ops and peer HTTP; default: 127.0.0.1 if the data server is on loopback, else the advertised address
-    advertise_address: str = ""  # where peers reach this daemon; default: this host's address on the route to the data server
-    port: int = 8471
-    bulk_port: int = 0  # replica pushes (TCP, on --host); 0 picks one (peers ask for it), -1 = none (pushes over HTTP)
-    budget_bytes: int = 4 << 30  # shared memory this daemon may fill
-    window: int = 4  # steps prefetched ahead of the slowest local reader of a dp rank
-    keep_consumed: int = 2  # consumed steps kept for replay after a restore
-    fetch_concurrency: int = 4  # HTTP fetches in flight across all dp ranks (4 measured best)
-    fetch_steps: int = 16  # small steps (≤ 256 KiB: tokens) prefetched this many per request, split into files here; 1 = one each
-    fetch_retry_s: float = 30.0  # how long a waiting reader's fetch is retried on 5xx/unreachable
-    durable_dir: Path | None = None  # durable tier (safetensors + JSON), off unless set
-    durable_every: int = 0  # copy committed shards there every N steps; 0 = off
-    node_id: str = ""  # this node's name in the ring; default: the host name
-    heartbeat_s: float = 1.0  # coordinator heartbeat period
-    replicate: bool = True  # push every commit to the ring successor
-    replica_max_lag: int = 1  # a commit is answered once the successor holds the version this many commits back, counting itself; 0 = off
-    replica_wait_s: float = 30.0  # longest a commit answer waits for that replica
-    gate: GateConfig = field(default_factory=GateConfig)  # when STATE may use the network
-    token_file: str | None = None  # else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN
-    ready_file: str | None = None
-    log_level: str = "info"
-    allow_non_tmpfs: bool = False  # slots on a disk: slow, and they outlive a reboot the job does not
+class DaemonConfig(Settings):
+    """``statestore serve``: one field per flag, in ``--help``'s order."""
+
+    dataserver: Annotated[str, AfterValidator(_urls)] = Field(description="data server base URL, e.g. http://127.0.0.1:8470; several comma-separated (they share the batch fetches, one coordinates)")  # fmt: skip
+    root: Path = Field(DEFAULT_ROOT, description="tmpfs directory for caches, slots and the index")
+    allow_non_tmpfs: bool = Field(False, description="accept a --root that is not on tmpfs (slots would be written to disk: slow, and they survive reboots)")  # fmt: skip
+    host: str = Field("", description="address the ops and peer HTTP API listens on (default: 127.0.0.1 when the data server is on loopback, else the advertised address)")  # fmt: skip
+    advertise_address: str = Field("", description="address other nodes' daemons reach this one at (default: this host's address on the route to the data server; never loopback or 0.0.0.0 across hosts)")  # fmt: skip
+    port: Port = Field(8471, description="ops HTTP port (0 picks one; see --ready-file)")
+    bulk_port: PortOrOff = Field(0, description="TCP port replica pushes from other daemons arrive on (0 picks one, which peers ask the HTTP API for; -1 = none: pushes come over HTTP)")  # fmt: skip
+    budget_mb: int = Field(4096, ge=1, le=1 << 30, description="shared memory this daemon may use, MiB")
+    window: PositiveInt = Field(4, description="steps prefetched ahead of the slowest local reader of a dp rank")
+    keep_consumed: NonNegInt = Field(2, description="consumed steps kept for replay after a restore")
+    fetch_concurrency: PositiveInt = Field(4, description="batch fetches from the data servers in flight at once (4 measured best)")  # fmt: skip
+    fetch_steps: int = Field(16, ge=1, le=DEFAULT_STEPS_PER_REQUEST, description="small steps (at most 256 KiB) a prefetch asks a data server for at once, one request split into one file per step (1 = a request per step; at most a data server's default --max-steps-per-request)")  # fmt: skip
+    fetch_retry_s: NonNegSeconds = Field(30.0, description="how long a fetch a reader waits on is retried while no data server answers")  # fmt: skip
+    fetch_read_timeout_s: PositiveSeconds = Field(10.0, description="a data server that sends nothing on a fetch for this long is passed over (the fetch goes to the next one, or is retried); raise it for servers slow to start a large batch")  # fmt: skip
+    durable_dir: Path | None = Field(None, description="directory of the durable tier (safetensors + JSON)")
+    durable_every: NonNegInt = Field(0, description="copy committed shards to --durable-dir every N steps (0 = off); copies are written behind the steps, so losing every copy in memory goes back up to 2N-1 steps")  # fmt: skip
+    node_id: str = Field("", description="this node's name in the ring (default: host name)")
+    heartbeat_s: Annotated[float, Unit("seconds")] = Field(1.0, ge=0.05, le=3600.0, description="seconds between heartbeats to the coordinator (faster would flood it)")  # fmt: skip
+    no_replicate: bool = Field(False, description="do not push commits to the ring successor")
+    replica_max_lag: NonNegInt = Field(1, description="a commit is answered once the ring successor holds the version this many commits back, counting itself (1 = itself); that push passes the link gate (0 = off: replication always waits for an idle link)")  # fmt: skip
+    replica_wait_s: NonNegSeconds = Field(30.0, description="longest a commit answer waits for that replica (then logged)")
+    gate_rate_cap_mbit: RateMbit = Field(0.0, description="cap on all STATE traffic, Mbit/s (0 = none)")
+    gate_iface: str = Field("", description="training NIC whose byte counters close the gate (default: off)")
+    gate_link_mbit: RateMbit = Field(0.0, description="that NIC's rate, Mbit/s")
+    gate_chunk_kb: int = Field(GateConfig.chunk_bytes >> 10, ge=4, le=1 << 20, description="STATE moves in chunks of this size, KiB")
+    no_gate: bool = Field(False, description="let STATE traffic through regardless of TRAIN (for baselines)")
+    token_file: str | None = Field(None, description="job token (else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN)")
+    ready_file: str | None = Field(None, description="write {host, port, pid} JSON here once listening")
+    log_level: LogLevel = Field("info", description="least severe log lines written")
+    log_format: LogFormat = Field("auto", description="auto: text on a terminal, JSON lines otherwise")
+
+    def model_post_init(self, context: Any, /) -> None:
+        if not self.node_id:
+            self.node_id = socket.gethostname()
+
+    @model_validator(mode="after")
+    def _across_settings(self) -> DaemonConfig:
+        if self.durable_every and self.durable_dir is None:
+            raise ValueError("--durable-every needs --durable-dir")
+        self.gate.validate()  # an --gate-iface needs its --gate-link-mbit
+        return self
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget_mb << 20
+
+    @property
+    def replicate(self) -> bool:
+        return not self.no_replicate
+
+    @cached_property
+    def gate(self) -> GateConfig:
+        """When STATE may use the network."""
+        return GateConfig(
+            rate_cap_bytes_s=self.gate_rate_cap_mbit * 1e6 / 8,
+            iface=self.gate_iface,
+            link_bytes_s=self.gate_link_mbit * 1e6 / 8,
+            chunk_bytes=self.gate_chunk_kb << 10,
+            enabled=not self.no_gate,
+        )
+
+    def validate(self) -> None:  # type: ignore[override]  # pydantic's deprecated classmethod of that name
+        """Check the settings again (the declaration's ranges; ValueError naming the first that
+        fails): a config built, then changed in code."""
+        type(self).model_validate(self.model_dump())
 
     def check_root(self) -> None:
         """Refuse a root that is not on tmpfs (unless allowed): slots there go to disk."""
@@ -87,25 +150,6 @@ class DaemonConfig:
     @property
     def socket_path(self) -> Path:
         return self.root / SOCKET_NAME
-
-    def __post_init__(self) -> None:
-        if not self.node_id:
-            self.node_id = socket.gethostname()
-
-    def validate(self) -> None:
-        parse_urls(self.dataserver)  # ValueError naming an entry that is no URL
-        for name, least in (("window", 1), ("keep_consumed", 0), ("fetch_concurrency", 1), ("fetch_steps", 1)):
-            if getattr(self, name) < least:
-                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
-        if self.fetch_steps > _MAX_FETCH_STEPS:  # a data server refuses more per request (its --max-steps-per-request)
-            raise ValueError(
-                f"fetch_steps must be <= {_MAX_FETCH_STEPS} (a data server's default --max-steps-per-request), got {self.fetch_steps}"
-            )
-        if self.durable_every < 0 or (self.durable_every and self.durable_dir is None):
-            raise ValueError("durable_every needs durable_dir and must be >= 0")
-        self.gate.validate()
-        if self.budget_bytes < 1 << 20:
-            raise ValueError(f"budget_bytes must be >= 1 MiB, got {self.budget_bytes}")
 
 
 def _loopback(host: str) -> bool:

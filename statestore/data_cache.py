@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-_CONNECT_S, _READ_S = 2.0, 10.0  # a data server that takes no connection / sends nothing this long is passed over
+_CONNECT_S = 2.0  # a data server that takes no connection this long is passed over (sends nothing: --fetch-read-timeout-s)
 RUN_STEP_BYTES = 256 << 10  # steps at most this big are prefetched ``fetch_steps`` per request
 _ROOM_POLL_S = 0.5  # a step a reader waits on for room looks again this often (and whenever a fetch's room frees)
 
@@ -242,7 +242,7 @@ class DataCache:
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
             # a server that died without a reset (its host lost) is passed over after these
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_S, sock_read=_READ_S),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_S, sock_read=self.config.fetch_read_timeout_s),
             connector=aiohttp.TCPConnector(limit=self.config.fetch_concurrency * 2),
         )
 

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -419,26 +420,27 @@ def _send(conn: socket.socket, msg: dict[str, Any]) -> None:
     conn.sendall(json.dumps(msg).encode() + b"\n")
 
 
-def serve(path: Path, idle_s: float) -> int:
+def serve(path: Path, idle_s: float, preload: Sequence[str] = ()) -> int:
+    """The zygote at ``path``: imports torch (and ``preload``), forks workers until ``idle_s`` idle."""
     z = _Zygote(path, idle_s)
     if not z.bind():
         return 0  # another worker's zygote won the race
     started = time.perf_counter()
     # torch._dynamo: DDP's constructor imports it (sympy and all), ~1 s of CPU more than torch
-    preload = [
+    modules = [
         "torch",
         "torch.distributed",
         "torch.nn.parallel",
         "torch.optim",
         "torch._dynamo",
-        *filter(None, os.environ.get(PRELOAD_ENV, "").split(",")),
+        *preload,
     ]
-    for name in preload:
+    for name in modules:
         importlib.import_module(name.strip())
     import_s = round(time.perf_counter() - started, 3)
     marker = path.with_suffix(".ready")  # what ``readiness`` (the daemon's /v1/state, ffplane status) reads
     marker.write_text(json.dumps({"pid": os.getpid(), "import_s": import_s, "python": os.path.realpath(sys.executable)}))
-    _log("zygote ready", socket=str(path), preloaded=preload, import_s=import_s, idle_exit_s=idle_s)
+    _log("zygote ready", socket=str(path), preloaded=modules, import_s=import_s, idle_exit_s=idle_s)
     try:
         z.serve()
     finally:
@@ -479,5 +481,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--prestart"]:
         sys.exit(prestart(0.0 if "--no-wait" in sys.argv[2:] else 120.0))
     if sys.argv[1:2] == ["--serve"]:
-        sys.exit(serve(Path(sys.argv[2]), float(os.environ.get(IDLE_ENV, "600"))))
+        preload = [name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name]
+        sys.exit(serve(Path(sys.argv[2]), float(os.environ.get(IDLE_ENV, "600")), preload))
     sys.exit(main(sys.argv[1:]))

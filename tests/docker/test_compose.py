@@ -150,13 +150,10 @@ def test_the_compose_file_is_consistent() -> None:
         for arg in " ".join(argv).split():
             if arg.startswith("/") and not arg.startswith(WORKDIR):
                 assert any(arg == m or arg.startswith(m.rstrip("/") + "/") for m in mounts), f"{name}: {arg} is in none of its volumes"
-        if argv[0] in OUR_COMMANDS:  # the flags parse as the command parses them
-            from ffplane_contract.settings import parse
-
-            module = {"dataserver": "dataserver.cli", "statestore": "statestore.cli", "ffplane": "ffplane_harness.cli"}[argv[0]]
-            parser = __import__(module, fromlist=["_parser"])._parser()
-            parse(parser, argv[1:])
         env = s.get("environment", {})
+        if argv[0] in OUR_COMMANDS:  # the flags (and the service's variables) parse as the command parses them
+            module = {"dataserver": "dataserver.cli", "statestore": "statestore.cli", "ffplane": "ffplane_harness.config"}[argv[0]]
+            __import__(module, fromlist=["PROGRAM"]).PROGRAM.parse(argv[1:], {k: str(v) for k, v in env.items()})
         assert "FFPLANE_TOKEN" in env, f"{name} gets no token"
         if "FFPLANE_DAEMON_SOCKET" in env:  # a trainer shares its node daemon's root
             root = env["FFPLANE_DAEMON_SOCKET"].rsplit("/", 1)[0]

@@ -93,7 +93,7 @@ def test_a_start_that_fails_midway_closes_what_it_had_started(shm_root: Path, ta
     """The Daemon in this process: the root opened, the transport's sessions and the data cache
     started, then the bulk port is taken. Everything started is closed, in reverse order."""
     fresh = shm_root / "fresh"
-    config = DaemonConfig(dataserver="http://127.0.0.1:9", root=fresh, host="127.0.0.1", bulk_port=taken_port, budget_bytes=16 << 20)
+    config = DaemonConfig(dataserver="http://127.0.0.1:9", root=fresh, host="127.0.0.1", bulk_port=taken_port, budget_mb=16)
     daemon = Daemon(config, TOKEN)
     assert (fresh / "daemon.lock").is_file() and (fresh / "_index").is_dir()
     daemon.bound(9)  # (never listened on: the start fails before anything is served)
