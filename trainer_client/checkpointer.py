@@ -121,18 +121,16 @@ class Checkpointer:
         return self.layout.role
 
     # --- save ----------------------------------------------------------------------------
-    def save(self, step: int, state: Any) -> bool:
+    def save(self, step: int, state: Any, *, header: dict[str, Any] | None = None) -> bool:
         """Checkpoint ``state`` as the state after optimizer step ``step``; False if skipped.
-        ``step`` is in 0..2^53-1 (the range every ffplane process shares); ValueError otherwise."""
+        ``step`` is in 0..2^53-1 (the range every ffplane process shares); ValueError otherwise.
+        ``header``: JSON fields an adapter keeps beside the shard (``DaemonWriter`` keeps DCP's
+        catalogue there), sent to the daemon only when they change; a field ffplane writes
+        itself (role, layout, piece ...) is refused."""
         try:
             check_step(step)
         except ValueError as exc:
             raise ValueError(f"Checkpointer.save: {exc}") from None
-        return self._save(step, state)
-
-    def _save(self, step: int, state: Any, header: dict[str, Any] | None = None) -> bool:
-        """``save``; ``header``: JSON fields for the shard header's static part (the DCP backend's
-        catalogue), sent to the daemon only when they change."""
         if self._in_flight is not None and not self._in_flight.done() and self.on_busy == "skip":
             self.skipped += 1
             return False
@@ -153,7 +151,6 @@ class Checkpointer:
             lo, hi = slice_of(replicated, self.layout.dp, self.layout.dp_rank)
             private = enc.stream_nbytes["private"]
             nbytes = private + hi - lo
-            slot, reserved, mapped = self._commits.take_slot(step, nbytes)
             static = (
                 enc.static_header()
                 | self._layout_fields
@@ -163,8 +160,12 @@ class Checkpointer:
                     "unique_nbytes": private + replicated,
                     "lineage": self.lineage,
                 }
-                | (header or {})
             )
+            if header:
+                if clash := sorted(header.keys() & static.keys()):
+                    raise ValueError(f"Checkpointer.save: header fields {clash} are ffplane's own")
+                static |= header
+            slot, reserved, mapped = self._commits.take_slot(step, nbytes)
             try:
                 copies = self._pairs(mapped, enc, lo, hi, private)
                 if copies.on_device:

@@ -292,7 +292,7 @@ class DaemonWriter(StorageWriter, AsyncStager):
         _bind_loaders(items, self.step)
         ckpt.lineage = _lineages.get(self.job, ckpt.lineage)
         try:
-            ckpt._save(self.step, {"items": items}, header={"dcp": catalogue})
+            ckpt.save(self.step, {"items": items}, header={"dcp": catalogue})
         except StateError as exc:
             raise StateError(f"DCP save of step {self.step}: {exc}") from exc
         fut: Future[list[WriteResult]] = Future()

@@ -386,3 +386,14 @@ def test_a_live_checkpointer_carries_on_when_its_daemon_comes_back_empty(start_d
     assert [v["step"] for v in _versions(daemon)["versions"]] == [4]
     got = Checkpointer("job", socket_path=sock).restore()
     assert got is not None and got.step == 4 and _equal(got.state, _state(4))
+
+
+def test_a_header_field_of_ffplanes_own_is_refused_and_the_next_save_goes_on(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
+    start_daemon()
+    ck = Checkpointer("hdr", socket_path=shm_root / "daemon.sock")
+    with pytest.raises(ValueError, match="piece"):
+        ck.save(1, _state(1), header={"piece": [0, 0]})  # would have overwritten the shard's slice
+    assert ck.save(2, _state(2), header={"mine": {"catalogue": [1, 2]}})
+    ck.close()
+    got = Checkpointer("hdr", socket_path=shm_root / "daemon.sock").restore()
+    assert got is not None and got.step == 2 and _equal(got.state, _state(2))
