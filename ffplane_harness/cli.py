@@ -55,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 def _job(client: Any, what: str, cfg: Any) -> int:
     if what == "create":
         job = client.create(cfg.name, cfg.dataset, cfg.dp, cfg.batch_per_rank, cfg.seed, cfg.max_steps)
-        print(f"job {job['name']}: dataset {cfg.dataset}, dp {cfg.dp} x {cfg.batch_per_rank} per step, max_steps {job.get('max_steps')}")
+        print(f"job {job.name}: dataset {cfg.dataset}, dp {cfg.dp} x {cfg.batch_per_rank} per step, max_steps {job.max_steps}")
     elif what == "list":
         print("\n".join(client.list()))
     elif what == "show":
-        print(json.dumps(_known(client, "get", cfg.name), indent=1))
+        print(json.dumps(_known(client, "get", cfg.name).model_dump(), indent=1))
     else:
         _known(client, "delete", cfg.name)
         print(f"job {cfg.name} deleted")

@@ -70,7 +70,7 @@ class CacheSource:
         from trainer_client.jobs import Jobs
 
         info = Jobs(self.loader.dataserver, self.loader.token).get(self.loader.job)
-        rows = max(int(g["batch_per_rank"]) for g in info.get("generations", [info]))
+        rows = max(g.batch_per_rank for g in info.generations)
         return -(-rows // self.loader.micro_batches)
 
     def __call__(self) -> tuple[Column, ...]:

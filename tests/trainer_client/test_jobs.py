@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests._servers import TOKEN, Proc, until
-from trainer_client import Checkpointer, ConflictError, Layout, NotFoundError
+from trainer_client import Checkpointer, ConflictError, InvalidError, Layout, NotFoundError
 from trainer_client.jobs import Jobs
 
 
@@ -28,12 +28,14 @@ def _ffplane(*argv: str, dataserver: str | None = None, token: bool = True) -> s
 def test_jobs_from_python(dataserver: Proc) -> None:
     jobs = Jobs(dataserver.url, TOKEN)
     made = jobs.create("py", dataset="tokens", dp=2, batch_per_rank=4, max_steps=10)
-    assert made["name"] == "py" and jobs.create("py", dataset="tokens", dp=2, batch_per_rank=4, max_steps=10)["name"] == "py"
+    assert made.name == "py" and jobs.create("py", dataset="tokens", dp=2, batch_per_rank=4, max_steps=10).name == "py"
     with pytest.raises(ConflictError, match="different definition"):
         jobs.create("py", dataset="tokens", dp=4, batch_per_rank=4, max_steps=10)
-    assert jobs.list() == ["py"] and jobs.get("py")["generations"][0]["dp"] == 2
+    assert jobs.list() == ["py"] and jobs.get("py").generations[0].dp == 2
     jobs.add_generation("py", start_step=5, dp=1, batch_per_rank=8)  # nothing served yet: allowed
-    assert [g["dp"] for g in jobs.get("py")["generations"]] == [2, 1]
+    assert [g.dp for g in jobs.get("py").generations] == [2, 1]
+    with pytest.raises(InvalidError, match="dp"):  # refused here, as the server would
+        jobs.add_generation("py", start_step=9, dp=0, batch_per_rank=8)
     jobs.delete("py")
     assert jobs.list() == []
     with pytest.raises(NotFoundError, match="unknown job 'py'"):
