@@ -8,7 +8,8 @@ and its ``--help``), the variable ``$FFPLANE_STATESTORE_BUDGET_MB`` (the ``ffpla
 ``[statestore.serve]`` table of the file named by ``--config`` or ``$FFPLANE_CONFIG``, and the
 ``--help`` line showing its default, its range and its variable. A few settings mean the same to
 every process and are also read unscoped (``$FFPLANE_DATASERVER``, ``$FFPLANE_TOKEN_FILE``,
-``$FFPLANE_LOG_LEVEL``, ``$FFPLANE_LOG_FORMAT``), as the client library reads them.
+``$FFPLANE_LOG_LEVEL``, ``$FFPLANE_LOG_FORMAT``, the daemon's ``$FFPLANE_WARM_DIR``), as the client
+library and the workers read them.
 
 The three sources' values are merged (flags over variables over the file over the defaults) and
 validated once, by the model: its ranges are the only range checks (``nan``, ``inf`` and a port of
@@ -99,7 +100,7 @@ COMMANDS = (
     "ffplane.status",
     "statestore.serve",
 )
-SHARED = frozenset({"dataserver", "token_file", "log_level", "log_format"})  # also read unscoped
+SHARED = frozenset({"dataserver", "token_file", "log_level", "log_format", "warm_dir"})  # also read unscoped
 
 
 class ConfigError(ValueError):

@@ -13,8 +13,13 @@ from typing import Any
 DIR_ENV = "FFPLANE_WARM_DIR"
 
 
+def default_dir() -> Path:
+    """Where zygotes live unless ``$FFPLANE_WARM_DIR`` (or the daemon's ``--warm-dir``) says."""
+    return Path(f"/dev/shm/ffplane-warm-{os.getuid()}")
+
+
 def warm_dir() -> Path:
-    return Path(os.environ.get(DIR_ENV) or f"/dev/shm/ffplane-warm-{os.getuid()}")
+    return Path(os.environ.get(DIR_ENV) or default_dir())
 
 
 def zygotes(directory: Path) -> list[int]:

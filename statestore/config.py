@@ -29,6 +29,7 @@ from ffplane_contract.settings import (
     Settings,
     Unit,
 )
+from ffplane_contract.warm import default_dir
 from statestore.link_gate import GateConfig
 
 
@@ -65,6 +66,7 @@ class DaemonConfig(Settings):
     gate_link_mbit: RateMbit = Field(0.0, description="that NIC's rate, Mbit/s")
     gate_chunk_kb: int = Field(GateConfig.chunk_bytes >> 10, ge=4, le=1 << 20, description="STATE moves in chunks of this size, KiB")
     no_gate: bool = Field(False, description="let STATE traffic through regardless of TRAIN (for baselines)")
+    warm_dir: Path = Field(default_factory=default_dir, description="the warm-start zygotes' folder whose readiness /v1/state shows (the workers' $FFPLANE_WARM_DIR; default /dev/shm/ffplane-warm-<uid>)")  # fmt: skip
     token_file: str | None = Field(None, description="job token (else $FFPLANE_TOKEN_FILE / $FFPLANE_TOKEN)")
     ready_file: str | None = Field(None, description="write {host, port, pid} JSON here once listening")
     log_level: LogLevel = Field("info", description="least severe log lines written")

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ffplane_contract.errors import UnavailableError
-from ffplane_contract.warm import readiness, warm_dir
+from ffplane_contract.warm import readiness
 from statestore.routes._node import NodeDep
 
 __all__ = ["router"]
@@ -77,7 +77,7 @@ def state(node: NodeDep) -> dict[str, Any]:
         "replication": service.replicator.describe() if service.replicator else None,
         "pulled_bytes": service.pulled_bytes,
         "restores_behind": service.restores_behind,
-        "warm": _warm(),
+        "warm": readiness(config.warm_dir),  # a warm spare is one with a zygote ready
         "commit_parts": slots.commit_parts.describe(),
         "replica_parts": replicas.finish_parts.describe(),
         "transfer": {
@@ -101,9 +101,3 @@ async def gate(node: NodeDep) -> dict[str, Any]:  # on the loop: the gate's hint
 )
 def metrics(node: NodeDep) -> Response:
     return Response(generate_latest(node.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def _warm() -> dict[str, Any]:
-    """This node's warm-start zygotes (``trainer_client.warm_start``, same user): a warm spare is
-    one with a zygote ready."""
-    return readiness(warm_dir())
