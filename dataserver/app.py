@@ -26,8 +26,8 @@ from ffplane_contract.settings import version
 from ffplane_runtime.httpserver import BodyGuard, offline_docs
 
 
-def create_app(config: ServeConfig, token: str | None = None) -> FastAPI:
-    """The data server app; ``token`` defaults to the configured token file or environment."""
+def create_app(config: ServeConfig, token: str | None) -> FastAPI:
+    """The data server app; ``token``: the job's, read by the entry point (``dataserver serve``)."""
     server = DataServer(config, token)
     app = FastAPI(title="ffplane dataserver", version=version(), lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.server = server

@@ -23,7 +23,6 @@ from dataserver.coordination import Coordination
 from dataserver.jobs import Job, JobRegistry
 from dataserver.metrics import Metrics
 from dataserver.shared_jobs import EtcdJobRegistry
-from ffplane_contract.auth import load_token
 from ffplane_contract.errors import InvalidError
 from ffplane_runtime.etcd import Etcd
 from ffplane_runtime.httpserver import BearerAuth
@@ -33,14 +32,14 @@ _T = TypeVar("_T")
 
 
 class DataServer:
-    def __init__(self, config: ServeConfig, token: str | None = None) -> None:
-        """``token`` defaults to the configured token file or environment."""
+    def __init__(self, config: ServeConfig, token: str | None) -> None:
+        """``token``: the job's, which the entry point read (None: every request is refused, 503)."""
         self.config = config
         self.catalog = Catalog(config.data_dir)
         self.etcd = Etcd(config.etcd) if config.etcd else None
         state_dir = config.resolved_state_dir()
         self.jobs: JobRegistry = JobRegistry(state_dir) if self.etcd is None else EtcdJobRegistry(self.etcd, state_dir)
-        self.auth = BearerAuth(token if token is not None else load_token(config.token_file))
+        self.auth = BearerAuth(token)
         self.coordination = Coordination(config, self.auth.token, self.etcd)
         self.metrics = Metrics()
         self.metrics.watch(self.coordination.coordinator, lambda: self.coordination.leading)
