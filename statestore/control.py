@@ -4,6 +4,10 @@ A reader may map a published step file without waiting: it sends ``Get`` and rea
 later. Published files never change, so the bytes are the same either way, and the daemon still
 sees every position; the reader saves the round trip's wait and, on a 2-core node, the context
 switches that came with it.
+
+That is why ``open`` is answered only once the cache has the job's plan from the data server (or
+``_PLAN_WAIT_S`` has passed): every file a reader can then find by its step's name holds the
+step as the job plans it now (``DataCache.check_plan``), so readers check no generations.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from statestore.state_service import StateService
 
 log = logging.getLogger(__name__)
 _reader_ids = itertools.count(1)
+_PLAN_WAIT_S = 2.0  # an open waits this long for the job's plan (a data server that does not answer)
 
 
 class ControlServer:
@@ -108,6 +113,7 @@ class ControlServer:
             if conn.stream is not None:
                 self.cache.detach(rid, conn.stream)
             conn.stream = self.cache.attach(rid, req.job, req.dp_rank, req.token)
+            await self.cache.check_plan(conn.stream, _PLAN_WAIT_S)  # before the reader maps a step by its name
             self._register(rid, conn, job=req.job, dp_rank=req.dp_rank)
             log.info("reader attached", extra={"job": req.job, "dp_rank": req.dp_rank, "reader": rid})
             return proto.OpenReply(str(self.cache.config.root), str(conn.stream.directory.relative_to(self.cache.config.root)))

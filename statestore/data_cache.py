@@ -16,6 +16,12 @@ from that mapping, telling the daemon where it is only on entering a file, when 
 fetched (runs start while a missing step is within ``fetch_steps - 1`` past the window): per small
 step no file is created, renamed, indexed, unlinked or mapped and no request is sent. A run that
 fails is fetched again step by step, so its errors are exactly those of single fetches.
+
+The cache, not its readers, keeps its steps to the job's current plan (``job_plans``): each file
+keeps the generation its steps were planned in, and each reader's ``open`` asks the data server for
+the job's generations first. A step planned before an elastic change is dropped before a reader
+can map it, and fetched again; a fetched step planned before the job's plan as last seen makes the
+cache ask again, and is refused if it is still behind it.
 """
 
 from __future__ import annotations
@@ -34,13 +40,22 @@ import aiohttp
 import pyarrow as pa
 
 from ffplane_contract.auth import bearer
-from ffplane_contract.errors import CapacityError, FFPlaneError, FFTimeoutError, TransportError, UnavailableError, error_from
+from ffplane_contract.errors import (
+    CapacityError,
+    CorruptError,
+    FFPlaneError,
+    FFTimeoutError,
+    TransportError,
+    UnavailableError,
+    error_from,
+)
 from ffplane_contract.files import step_file
 from statestore import shm
 from statestore.budget import CACHE_HOLDER, Budget
 from statestore.config import DaemonConfig
 from statestore.dataservers import DataServers
 from statestore.index import Index
+from statestore.job_plans import CURRENT, STALE, JobPlan, file_generations, generations_of
 from statestore.link_gate import LinkGate, Priority
 
 log = logging.getLogger(__name__)
@@ -50,6 +65,7 @@ _T = TypeVar("_T")
 _CONNECT_S = 2.0  # a data server that takes no connection this long is passed over (sends nothing: --fetch-read-timeout-s)
 RUN_STEP_BYTES = 256 << 10  # steps at most this big are prefetched ``fetch_steps`` per request
 _ROOM_POLL_S = 0.5  # a step a reader waits on for room looks again this often (and whenever a fetch's room frees)
+_PLAN_AGAIN_S = 1.0  # a fetched step off the job's plan asks the data server for the plan at most this often a stream
 
 
 class _PutOff(UnavailableError):
@@ -63,6 +79,11 @@ class _RunTooLarge(FFPlaneError):
     status = 413
 
 
+class _Replanned(CorruptError):
+    """A fetched step planned before the generation the job now plans it in (the data server
+    answered before an elastic change): not published; a reader waiting on it fetches it again."""
+
+
 @dataclass(eq=False)
 class CachedFile:
     """One published file of the stream: ``count`` consecutive steps from ``first``."""
@@ -71,6 +92,7 @@ class CachedFile:
     nbytes: int
     first: int
     count: int = 1
+    generations: tuple[int, ...] | None = None  # the generation each step was planned in (None: untagged)
 
     @property
     def end(self) -> int:
@@ -105,6 +127,9 @@ class Stream:
     failed: dict[int, FFPlaneError] = field(default_factory=dict)
     end_step: int | None = None  # first step the data server refused as out of range (prefetches stop there)
     step_bytes: int = 0  # the size of the last step the data server announced
+    plan: JobPlan | None = None  # the job's generations as a data server last said (None: not known)
+    plan_at: float = 0.0  # when it was last asked (monotonic)
+    plan_task: asyncio.Task[None] | None = None  # the request for it under way
     hits: int = 0
     misses: int = 0
     wait_s: float = 0.0
@@ -215,7 +240,9 @@ class DataCache:
             path = self.config.root / entry["file"]
             if path.is_file() and path.stat().st_size == entry["nbytes"]:
                 stream = self._stream(job, int(rank))
-                stream.add(CachedFile(path, entry["nbytes"], int(step), int(entry.get("steps", 1))))
+                count = int(entry.get("steps", 1))
+                gens = entry["generations"] if "generations" in entry else file_generations(path, count)  # (indexed before tags)
+                stream.add(CachedFile(path, entry["nbytes"], int(step), count, None if gens is None else tuple(gens)))
                 known.add(path)
                 kept += 1
             else:
@@ -283,6 +310,9 @@ class DataCache:
         asyncio.get_running_loop().call_soon(self._evict, stream)
         stream.wake.set()
         cached = stream.ready.get(step)
+        if cached is not None and stream.plan is not None and stream.plan.compare(cached.first, cached.generations) == STALE:
+            self._drop_stale(stream)  # (dropped when the plan changed; this one published since)
+            cached = None
         if cached is not None:
             stream.hits += 1
             return cached, True
@@ -298,9 +328,11 @@ class DataCache:
                     return await asyncio.shield(fut), False
                 except FFPlaneError as exc:
                     stream.failed.pop(step, None)
-                    # A data server restarting or briefly unreachable is not the reader's problem;
-                    # a step that cannot fit the budget will not fit in a moment either.
-                    if not isinstance(exc, (TransportError, FFTimeoutError)) or time.perf_counter() - started > self.config.fetch_retry_s:
+                    # A data server restarting or briefly unreachable is not the reader's problem,
+                    # nor one answering from before a new generation; a step that cannot fit the
+                    # budget will not fit in a moment either.
+                    retried = (TransportError, FFTimeoutError, _Replanned)
+                    if not isinstance(exc, retried) or time.perf_counter() - started > self.config.fetch_retry_s:
                         raise
                     await asyncio.sleep(0.2)
         finally:
@@ -576,9 +608,10 @@ class DataCache:
             if resp.content_length is not None and len(body) != resp.content_length:
                 raise TransportError(f"{what}: body of {len(body)} bytes, Content-Length said {resp.content_length}")
             try:
-                check_run(body, steps)
+                gens = check_run(body, steps)
             except (ValueError, pa.ArrowException) as exc:
                 raise TransportError(f"{what} from {server}: {exc}") from exc
+            await self._check_plan(stream, steps[0], gens)
             final = stream.directory / step_file(steps[0])
             tmp = shm.tmp_path(final)
             try:
@@ -594,7 +627,7 @@ class DataCache:
                 shm.unlink(tmp)
                 raise CapacityError(f"cannot cache {what} in {self.config.root}: {exc}; the tmpfs is full") from exc
             stream.step_bytes = len(body) // len(steps)
-            return self._publish(res, tmp, final, len(body), len(steps))
+            return self._publish(res, tmp, final, len(body), len(steps), gens)
 
     async def _download(self, stream: Stream, step: int, tmp: Path, final: Path) -> CachedFile:
         """Fetch ``step`` from the data server its turn falls to, or at once from the next one
@@ -669,19 +702,30 @@ class DataCache:
                 shm.unlink(tmp)
                 raise
             stream.step_bytes = nbytes
-            return self._publish(res, tmp, final, nbytes)
+            gens = file_generations(tmp, 1)
+            try:
+                await self._check_plan(stream, step, gens)
+            except BaseException:
+                shm.unlink(tmp)
+                raise
+            return self._publish(res, tmp, final, nbytes, generations=gens)
 
-    def _publish(self, res: _Reservation, tmp: Path, final: Path, nbytes: int, count: int = 1) -> CachedFile:
+    def _publish(
+        self, res: _Reservation, tmp: Path, final: Path, nbytes: int, count: int = 1, generations: tuple[int, ...] | None = None
+    ) -> CachedFile:
         """A file of ``count`` steps from ``res.step``, written whole under ``tmp``, becomes
-        ``final`` and is recorded; the fetch's room becomes the file's in the same breath."""
+        ``final`` and is recorded (with the generation each step was planned in); the fetch's
+        room becomes the file's in the same breath."""
         stream = res.stream
         shm.publish(tmp, final)
         record: dict[str, Any] = {"file": str(final.relative_to(self.config.root)), "nbytes": nbytes}
         if count > 1:
             record["steps"] = count
+        if generations is not None:
+            record["generations"] = list(generations)
         self.index.put(_index_key(stream.job, stream.dp_rank, res.step), record)
         self.bytes_fetched += nbytes
-        cached = CachedFile(final, nbytes, res.step, count)
+        cached = CachedFile(final, nbytes, res.step, count, generations)
         stream.add(cached)
         self._release(res)
         return cached
@@ -698,6 +742,77 @@ class DataCache:
 
         await self.gate.acquire(Priority.NEXT_BATCH if needed() else Priority.PREFETCH, nbytes, critical=urgent)
         await self._hold(res, res.nbytes)  # stop here if its room was taken back while it waited
+
+    # --- the job's plan --------------------------------------------------------------------
+    async def check_plan(self, stream: Stream, wait_s: float | None = None) -> None:
+        """Ask a data server for the job's generations and drop every cached file planned before
+        them. Waits at most ``wait_s`` (the request goes on; its drop follows when it is answered)."""
+        task = stream.plan_task
+        if task is None or task.done():
+            task = stream.plan_task = asyncio.create_task(self._refresh_plan(stream), name=f"plan {stream.key}")
+        with suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), wait_s)
+            return
+        log.warning("job's plan not known yet; cached steps checked once it is", extra={"job": stream.job, "dp_rank": stream.dp_rank})
+
+    async def _refresh_plan(self, stream: Stream) -> None:
+        try:
+            view = await self._failing_over(self.servers.for_step(stream.key, 0), lambda server: self._job_view(server, stream))
+            plan = JobPlan.from_view(view)
+        except (FFPlaneError, ValueError, KeyError, TypeError) as exc:
+            level = logging.INFO if isinstance(exc, FFPlaneError) and exc.status == 404 else logging.WARNING
+            log.log(level, "job's plan unavailable", extra={"job": stream.job, "dp_rank": stream.dp_rank, "error": str(exc)})
+            return
+        finally:
+            stream.plan_at = time.monotonic()
+        if plan != stream.plan:
+            log.info("job's plan", extra={"job": stream.job, "dp_rank": stream.dp_rank, "generations": list(plan.starts)})
+        stream.plan = plan
+        self._drop_stale(stream)
+
+    async def _job_view(self, server: str, stream: Stream) -> dict[str, Any]:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{server}/v1/jobs/{stream.job}", headers=bearer(stream.token or self.token)) as resp:
+                if resp.status != 200:
+                    detail = (await resp.text())[:500]
+                    raise error_from(resp.status, f"data server answered {resp.status} for job {stream.job!r}: {detail}")
+                view: dict[str, Any] = await resp.json(content_type=None)
+                return view
+        except aiohttp.ClientError as exc:
+            raise TransportError(f"cannot fetch job {stream.job!r} from {server}: {exc}") from exc
+
+    async def _check_plan(self, stream: Stream, first: int, generations: tuple[int, ...] | None) -> None:
+        """Refuse (``_Replanned``) fetched steps planned before the generation the job plans them
+        in. Steps off the plan as last seen make the cache ask for it again first: the job may
+        have gained a generation since (the steps are ahead of the plan, and kept), or the answer
+        came from before one (they are behind it)."""
+        plan = stream.plan
+        if plan is None or plan.compare(first, generations) == CURRENT:
+            return
+        if time.monotonic() - stream.plan_at >= _PLAN_AGAIN_S:
+            await self.check_plan(stream)
+            plan = stream.plan
+        assert plan is not None and generations is not None
+        if plan.compare(first, generations) == STALE:
+            raise _Replanned(
+                f"{stream.key} steps {first}+{len(generations)} arrived planned in generations {sorted(set(generations))}; "
+                f"the job plans them in {sorted({plan.generation(s) for s in range(first, first + len(generations))})}"
+            )
+
+    def _drop_stale(self, stream: Stream) -> None:
+        """Drop the files holding a step planned before the generation the job now plans it in;
+        the pump fetches them again."""
+        plan = stream.plan
+        stale = [] if plan is None else [f for f in stream.files.values() if plan.compare(f.first, f.generations) == STALE]
+        for f in stale:
+            stream.drop(f)
+            shm.unlink(f.path)  # a reader still mapping it keeps its pages
+        if stale:
+            self.index.delete(*(_file_key(stream, f) for f in stale))
+            first = min(f.first for f in stale)
+            log.info("stale steps dropped", extra={"job": stream.job, "dp_rank": stream.dp_rank, "from_step": first, "files": len(stale)})
+            stream.wake.set()
 
     def invalidate(self, stream: Stream, step: int) -> None:
         """Drop a cached step a reader found stale (planned before a new generation): the file
@@ -730,11 +845,13 @@ class DataCache:
             self.index.delete(*(_file_key(stream, f) for f in old))
 
 
-def check_run(body: bytes, steps: list[int]) -> None:
+def check_run(body: bytes, steps: list[int]) -> tuple[int, ...] | None:
     """ValueError unless ``body`` is one Arrow IPC stream holding exactly ``steps``' record
     batches, in order (each batch's ``step`` metadata says which): what a cached file of a run,
-    read by ``trainer_client``'s daemon source, must be."""
+    read by ``trainer_client``'s daemon source, must be. Returns the generation each step was
+    planned in (None: untagged)."""
     reader = pa.ipc.open_stream(pa.py_buffer(body))
+    metas = []
     for step in steps:
         try:
             meta = reader.read_next_batch_with_custom_metadata().custom_metadata
@@ -743,8 +860,9 @@ def check_run(body: bytes, steps: list[int]) -> None:
         said = None if meta is None else meta.get(b"step")
         if said != str(step).encode():
             raise ValueError(f"the stream's batch for step {step} says step {said!r}")
+        metas.append(meta)
     try:
         reader.read_next_batch()
     except StopIteration:
-        return
+        return generations_of(metas)
     raise ValueError(f"the stream holds more than the {len(steps)} steps asked for")
