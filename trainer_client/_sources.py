@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ffplane_contract.control import Get, Invalidate, Open
+from ffplane_contract.control import Get, Open
 from ffplane_contract.errors import CorruptError, TransportError
 from ffplane_contract.files import step_file
 from trainer_client._daemon_client import DaemonClient
@@ -44,6 +44,10 @@ class _MappedFile:
 
 
 class DaemonSource:
+    """Reads steps from the node daemon's cache. The daemon keeps that cache to the job's current
+    plan (a step planned before an elastic change is gone before ``Open`` is answered), so no step
+    read here is checked against the job's generations."""
+
     name = "daemon"
 
     def __init__(self, socket_path: Path, job: str, dp_rank: int, token: str | None, timeout_s: float) -> None:
@@ -81,11 +85,6 @@ class DaemonSource:
             self.client.send(Get(step))
         self._mapped = mapped = _MappedFile(step_bytes, step, f"daemon cache {path}")
         return mapped.get(step)
-
-    def invalidate(self, step: int) -> None:
-        """Ask the daemon to drop its cached copy of ``step`` (it was planned before a re-plan)."""
-        self._mapped = None
-        self.client.call(Invalidate(step))
 
     def close(self) -> None:
         self._mapped = None
@@ -125,6 +124,10 @@ class HttpSource:
         if found is None:
             raise CorruptError(f"data server did not return step {step}")
         return found
+
+    def forget(self) -> None:
+        """Drop the steps buffered from the last request: the next ``get`` asks again."""
+        self._buffered.clear()
 
     def close(self) -> None:
         self._buffered.clear()

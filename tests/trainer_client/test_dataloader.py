@@ -260,11 +260,14 @@ def test_one_copy_per_node_for_many_readers(dataserver: Proc, start_daemon: Call
 
 
 def test_a_new_generation_replaces_batches_the_node_cached_under_the_old_plan(
-    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path
+    dataserver: Proc, start_daemon: Callable[..., Proc], shm_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The daemon's check (it owns the cache): the loader over it asks the data server nothing
+    per step, so were a stale step served, the loader would hand it out."""
     import httpx
 
     from dataserver import Generation, Planner
+    from trainer_client._sources import HttpSource
 
     create_job(dataserver, max_steps=30)
     start_daemon("--window", "8")
@@ -285,10 +288,15 @@ def test_a_new_generation_replaces_batches_the_node_cached_under_the_old_plan(
     )
     assert r.status_code == 200, r.text
     plan = Planner(300, 5, [Generation(0, 2, 8), Generation(3, 3, 5)])
+    asked: list[str] = []
+    for name in ("job_info", "get"):
+        real = getattr(HttpSource, name)
+        monkeypatch.setattr(HttpSource, name, lambda self, *a, _f=real, _n=name: asked.append(_n) or _f(self, *a))
     resumed = DataLoader("j1", 0, dataserver=dataserver.url, token=TOKEN, socket_path=sock, start_step=3, end_step=9)
     got = [b["_sample_index"].tolist() for b in resumed]
     assert resumed.source == "daemon"
     assert got == [plan.plan(0, s).indices.tolist() for s in range(3, 9)]
+    assert asked == ["job_info"]  # once, for the job's end: no step read or checked over HTTP
 
 
 def _cached(daemon: Proc, steps: int) -> bool:
