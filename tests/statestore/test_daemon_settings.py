@@ -21,8 +21,9 @@ TIMEOUT_S = 0.5  # the daemon's default is 10 s: a silent server would hold a st
 
 
 class _Silent:
-    """A data server that takes connections and reads requests but never answers; for each batch
-    request, how long its connection stayed open after the request arrived (until the daemon hung up)."""
+    """A data server that takes connections and reads requests but never answers; for each request
+    (a batch fetch, or the job view the daemon checks generations against), how long its
+    connection stayed open after the request arrived (until the daemon hung up)."""
 
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -46,7 +47,7 @@ class _Silent:
                 arrived = time.monotonic()
                 while conn.recv(65536):
                     pass
-                if b"/batches" in request.split(b"\r\n", 1)[0]:
+                if request.startswith(b"GET /v1/jobs/"):
                     self.held.append(time.monotonic() - arrived)
 
 
@@ -82,7 +83,7 @@ def test_the_fetch_read_timeout_reaches_the_daemon_from_each_source(source: str,
     finally:
         silent.sock.close()
     assert steps == 8  # each step the silent server held was fetched from the other
-    assert silent.held, f"no batch request went to the silent server:\n{log[-3000:]}"
+    assert silent.held, f"no request went to the silent server:\n{log[-3000:]}"
     # hung up after the timeout set (with slack for a loaded machine), well before the default 10 s
     assert all(TIMEOUT_S * 0.8 <= held < 5.0 for held in silent.held), silent.held
     assert "data server failing" in log and silent.url in log
