@@ -64,20 +64,14 @@ def write_lmdb(path: Path, values: list[bytes], meta: dict[str, object] | None) 
 # Tests that start several torch processes, shape links in namespaces or run a soak: under
 # pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run runs the suite) they all go to one worker, so
 # two of them never share the machine's two cores; the other worker runs the light tests beside.
-_HEAVY_MODULES = {
-    "test_across_hosts",
-    "test_dcp",
+_HEAVY_MODULES = {  # from .ci/run's --durations: each test here runs 20-90 s of several torch processes
     "test_ddp_bitwise",
     "test_demo",
-    "test_examples",
     "test_fsdp2",
-    "test_netns_cluster",
+    "test_link_hints",
     "test_node_loss",
     "test_rendezvous",
-    "test_save_kill",
     "test_soak",
-    "test_warm_start",
-    "test_bench_smoke",
 }
 _HEAVY_FIXTURES = {"net", "etcd"}
 
@@ -90,16 +84,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
+def make_datasets(work: Path) -> Path:
+    """Two datasets under ``work/datasets``: ``tokens`` (300 rows of 16 int32) and ``images`` (250 binary rows)."""
+    root = work / "datasets"
+    root.mkdir()
+    write_token_parquet(work / "tokens.parquet", 300)
+    ingest(IngestConfig([work / "tokens.parquet"], root / "tokens", shard_bytes=4096, progress=False))
+    write_image_arrow(work / "images.arrow", 250)
+    ingest(IngestConfig([work / "images.arrow"], root / "images", shard_bytes=8192, progress=False))
+    return root
+
+
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
-    """Two datasets: ``tokens`` (300 rows of 16 int32) and ``images`` (250 binary rows)."""
-    root = tmp_path / "datasets"
-    root.mkdir()
-    write_token_parquet(tmp_path / "tokens.parquet", 300)
-    ingest(IngestConfig([tmp_path / "tokens.parquet"], root / "tokens", shard_bytes=4096, progress=False))
-    write_image_arrow(tmp_path / "images.arrow", 250)
-    ingest(IngestConfig([tmp_path / "images.arrow"], root / "images", shard_bytes=8192, progress=False))
-    return root
+    return make_datasets(tmp_path)
 
 
 @pytest.fixture
@@ -251,4 +249,14 @@ def create_job(ds: Proc, **overrides: object) -> dict[str, object]:
     return result
 
 
-__all__ = ["SEQ_LEN", "TOKEN", "cluster_in", "create_job", "launcher", "write_image_arrow", "write_lmdb", "write_token_parquet"]
+__all__ = [
+    "SEQ_LEN",
+    "TOKEN",
+    "cluster_in",
+    "create_job",
+    "launcher",
+    "make_datasets",
+    "write_image_arrow",
+    "write_lmdb",
+    "write_token_parquet",
+]

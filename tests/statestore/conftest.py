@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +15,8 @@ import httpx
 import pytest
 
 from ffplane_harness.local_cluster import LocalCluster
-from tests._servers import TOKEN, until
-from tests.conftest import mounted_tmpfs
+from tests._servers import TOKEN, Proc, start, until
+from tests.conftest import make_datasets, mounted_tmpfs
 
 
 @pytest.fixture
@@ -22,6 +25,48 @@ def cluster(tmp_path: Path, data_dir: Path) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path, data_dir, TOKEN) as c:
         c.start_dataserver()
         yield c
+
+
+@dataclass
+class SharedNode:
+    """A data server and a node daemon that a module's tests share: tests that neither kill,
+    stop nor restart them, nor need flags of their own; each test keeps to its own job (``job``)."""
+
+    daemon: Proc
+    root: Path
+
+    @property
+    def sock(self) -> Path:
+        return self.root / "daemon.sock"
+
+    def roles(self, job: str) -> list[dict[str, Any]]:
+        """``/v1/state``'s roles of ``job`` alone."""
+        return [r for r in httpx.get(self.daemon.url + "/v1/state").json()["roles"] if r["job"] == job]
+
+
+@pytest.fixture(scope="module")
+def shared_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedNode]:
+    """Started once per module (two processes' start-up saved per test); removed afterwards, even on failure."""
+    work = tmp_path_factory.mktemp("shared-node")
+    root = Path("/dev/shm") / f"ffplane-test-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    dataserver = start("dataserver", ["serve", "--data-dir", str(make_datasets(work)), "--port", "0"], work, "dataserver")
+    try:
+        args = ["serve", "--dataserver", dataserver.url, "--root", str(root), "--port", "0", "--budget-mb", "1024"]
+        daemon = start("statestore", args, work, "daemon")
+        try:
+            yield SharedNode(daemon, root)
+        finally:
+            daemon.kill()
+    finally:
+        dataserver.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def job(request: pytest.FixtureRequest) -> str:
+    """A job name of this test's own (on a shared node, nothing of another test's job is seen)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", request.node.name)[:120]
 
 
 @contextmanager

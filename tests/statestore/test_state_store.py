@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from tests._servers import TOKEN, Proc
+from tests.statestore.conftest import SharedNode
 from trainer_client import CapacityError, Checkpointer, Layout
 
 
@@ -39,64 +39,60 @@ def _save(cks: list[Checkpointer], steps: tuple[int, ...] | range) -> None:
         ck.close()
 
 
-def _pair(sock: Path, **kw: object) -> list[Checkpointer]:
-    return [Checkpointer("job", Layout(dp=2, dp_rank=r), socket_path=sock, **kw) for r in range(2)]  # type: ignore[arg-type]
+def _pair(sock: Path, job: str = "job", **kw: object) -> list[Checkpointer]:
+    return [Checkpointer(job, Layout(dp=2, dp_rank=r), socket_path=sock, **kw) for r in range(2)]  # type: ignore[arg-type]
 
 
-def test_razor_splits_replicated_state_and_restore_reassembles(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    daemon = start_daemon()
-    sock = shm_root / "daemon.sock"
-    cks = _pair(sock)
+def test_razor_splits_replicated_state_and_restore_reassembles(shared_node: SharedNode, job: str) -> None:
+    cks = _pair(shared_node.sock, job)
     assert cks[0].restore() is None  # a fresh job
     _save(cks, range(4))
-    roles = {r["role"]: r for r in httpx.get(daemon.url + "/v1/state").json()["roles"]}
+    roles = {r["role"]: r for r in shared_node.roles(job)}
     unique = roles["dp0-pp0-tp0"]["unique_bytes"]
     assert roles["dp0-pp0-tp0"]["razored_bytes"] + roles["dp1-pp0-tp0"]["razored_bytes"] == unique
     assert abs(roles["dp0-pp0-tp0"]["razored_bytes"] - unique / 2) <= 64
     assert [v["step"] for v in roles["dp1-pp0-tp0"]["versions"]] == [3, 2, 1]  # three newest kept
-    restored = Checkpointer("job", Layout(dp=2, dp_rank=1), socket_path=sock).restore()
+    restored = Checkpointer(job, Layout(dp=2, dp_rank=1), socket_path=shared_node.sock).restore()
     assert restored is not None and restored.step == 3 and restored.source == "memory"
     assert _equal(restored.state, _state(3))
 
 
-def test_private_state_is_saved_whole_by_its_owner(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    start_daemon()
-    cks = [Checkpointer("job", Layout(dp=2, dp_rank=r), private_keys=("optim",), socket_path=shm_root / "daemon.sock") for r in range(2)]
+def test_private_state_is_saved_whole_by_its_owner(shared_node: SharedNode, job: str) -> None:
+    sock = shared_node.sock
+    cks = [Checkpointer(job, Layout(dp=2, dp_rank=r), private_keys=("optim",), socket_path=sock) for r in range(2)]
     for r, ck in enumerate(cks):
         st = _state(4)
         st["optim"] = {"shard": torch.full((1000,), float(r))}  # ZeRO: each rank owns different optimizer state
         ck.save(4, st)
         ck.close()
     for r in range(2):
-        got = Checkpointer("job", Layout(dp=2, dp_rank=r), private_keys=("optim",), socket_path=shm_root / "daemon.sock").restore()
+        got = Checkpointer(job, Layout(dp=2, dp_rank=r), private_keys=("optim",), socket_path=sock).restore()
         assert got is not None and torch.equal(got.state["optim"]["shard"], torch.full((1000,), float(r)))
         assert _equal(got.state["model"], _state(4)["model"])
 
 
-def test_restore_into_existing_tensors(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    start_daemon()
-    ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
+def test_restore_into_existing_tensors(shared_node: SharedNode, job: str) -> None:
+    ck = Checkpointer(job, socket_path=shared_node.sock)
     ck.save(7, _state(7))
     ck.close()
     live = _state(0)
     ptrs = [live["model"]["w"].data_ptr(), live["optim"]["m"].data_ptr()]  # type: ignore[index]
-    got = Checkpointer("job", socket_path=shm_root / "daemon.sock").restore(into=live)
+    got = Checkpointer(job, socket_path=shared_node.sock).restore(into=live)
     assert got is not None and got.state is live and got.step == 7
     assert [live["model"]["w"].data_ptr(), live["optim"]["m"].data_ptr()] == ptrs  # type: ignore[index]
     assert _equal(live, _state(7))
 
 
-def test_corrupt_slot_falls_back_to_the_older_version_for_every_role(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    daemon = start_daemon()
-    sock = shm_root / "daemon.sock"
-    _save(_pair(sock), (10, 11))
-    newest = next(r for r in httpx.get(daemon.url + "/v1/state").json()["roles"] if r["role"] == "dp1-pp0-tp0")["versions"][0]
+def test_corrupt_slot_falls_back_to_the_older_version_for_every_role(shared_node: SharedNode, job: str) -> None:
+    sock = shared_node.sock
+    _save(_pair(sock, job), (10, 11))
+    newest = next(r for r in shared_node.roles(job) if r["role"] == "dp1-pp0-tp0")["versions"][0]
     assert newest["step"] == 11
-    with open(shm_root / newest["slot"], "r+b") as f:  # flip bytes in the middle of the shard
+    with open(shared_node.root / newest["slot"], "r+b") as f:  # flip bytes in the middle of the shard
         f.seek(newest["nbytes"] // 2)
         f.write(b"\xff" * 16)
     for r in range(2):  # invariant 3: both roles restore the same (older) step
-        got = Checkpointer("job", Layout(dp=2, dp_rank=r), socket_path=sock).restore()
+        got = Checkpointer(job, Layout(dp=2, dp_rank=r), socket_path=sock).restore()
         assert got is not None and got.step == 10 and _equal(got.state, _state(10))
 
 
@@ -150,94 +146,88 @@ def test_state_that_cannot_fit_fails_at_the_first_save(start_daemon: Callable[..
     assert not list((shm_root / "job" / "state").rglob("*.bin")) if (shm_root / "job" / "state").exists() else True
 
 
-def test_shard_bytes_need_the_token(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    daemon = start_daemon()
-    ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
+def test_shard_bytes_need_the_token(shared_node: SharedNode, job: str) -> None:
+    url = shared_node.daemon.url
+    ck = Checkpointer(job, socket_path=shared_node.sock)
     ck.save(1, _state(1))
     ck.close()
-    url = daemon.url + "/v1/state/job/dp0-pp0-tp0/1/shard"
-    assert httpx.get(url).status_code == 401
-    r = httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    shard = f"{url}/v1/state/{job}/dp0-pp0-tp0/1/shard"
+    assert httpx.get(shard).status_code == 401
+    r = httpx.get(shard, headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 200 and len(r.content) > 0
     import xxhash
 
     assert xxhash.xxh3_64_hexdigest(r.content) == r.headers["x-ffplane-checksum"]
-    assert httpx.get(daemon.url + "/v1/state/job/dp0-pp0-tp0/99/shard", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
-    assert json.loads(httpx.get(daemon.url + "/v1/state").text)["roles"][0]["versions"][0]["save_block_s"] > 0
-    assert 'ffplane_state_newest_step{job="job",role="dp0-pp0-tp0"} 1.0' in httpx.get(daemon.url + "/metrics").text
+    assert httpx.get(f"{url}/v1/state/{job}/dp0-pp0-tp0/99/shard", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
+    assert shared_node.roles(job)[0]["versions"][0]["save_block_s"] > 0
+    assert f'ffplane_state_newest_step{{job="{job}",role="dp0-pp0-tp0"}} 1.0' in httpx.get(url + "/metrics").text
 
 
-def test_restored_tensors_are_owned_unless_a_view_is_asked_for(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    daemon = start_daemon()
-    sock = shm_root / "daemon.sock"
-    ck = Checkpointer("job", socket_path=sock)
+def test_restored_tensors_are_owned_unless_a_view_is_asked_for(shared_node: SharedNode, job: str) -> None:
+    sock = shared_node.sock
+    ck = Checkpointer(job, socket_path=sock)
     ck.save(3, _state(3))
     ck.close()
-    owned = Checkpointer("job", socket_path=sock).restore()
-    view = Checkpointer("job", socket_path=sock).restore(view=True)
+    owned = Checkpointer(job, socket_path=sock).restore()
+    view = Checkpointer(job, socket_path=sock).restore(view=True)
     assert owned is not None and view is not None and _equal(view.state, _state(3))
-    (slot,) = [v["slot"] for v in httpx.get(daemon.url + "/v1/state").json()["roles"][0]["versions"]]
-    with open(shm_root / slot, "r+b") as f:  # the slot is reused by later saves
+    (slot,) = [v["slot"] for v in shared_node.roles(job)[0]["versions"]]
+    with open(shared_node.root / slot, "r+b") as f:  # the slot is reused by later saves
         f.write(b"\0" * 1024)
     assert _equal(owned.state, _state(3))  # an owned restore never sees slot reuse
     assert not _equal(view.state["model"], _state(3)["model"])  # a view does: documented contract
 
 
-def test_large_state_copied_by_several_threads_round_trips(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    start_daemon()
+def test_large_state_copied_by_several_threads_round_trips(shared_node: SharedNode, job: str) -> None:
     g = torch.Generator().manual_seed(3)
     big = {
         "a": torch.randn(3_000_001, generator=g),
         "b": torch.randn(1_234_567, generator=g).to(torch.bfloat16),
         "c": torch.arange(2_000_003),
     }
-    cks = [Checkpointer("big", Layout(dp=2, dp_rank=r), socket_path=shm_root / "daemon.sock", copy_threads=3) for r in range(2)]
+    cks = [Checkpointer(job, Layout(dp=2, dp_rank=r), socket_path=shared_node.sock, copy_threads=3) for r in range(2)]
     for ck in cks:
         ck.save(1, big)
         ck.close()
-    got = Checkpointer("big", Layout(dp=2, dp_rank=1), socket_path=shm_root / "daemon.sock").restore()
+    got = Checkpointer(job, Layout(dp=2, dp_rank=1), socket_path=shared_node.sock).restore()
     assert got is not None and _equal(got.state, big)
 
 
-def test_restore_into_live_parameters(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    start_daemon()
+def test_restore_into_live_parameters(shared_node: SharedNode, job: str) -> None:
     src = torch.nn.Linear(2048, 2048)  # 16 MiB: the multi-threaded copy path
-    ck = Checkpointer("params", socket_path=shm_root / "daemon.sock")
+    ck = Checkpointer(job, socket_path=shared_node.sock)
     ck.save(0, {"model": src.state_dict()})
     ck.close()
     dst = torch.nn.Linear(2048, 2048)
     live = {"model": dict(dst.named_parameters())}  # Parameters that require grad
-    got = Checkpointer("params", socket_path=shm_root / "daemon.sock").restore(into=live)
+    got = Checkpointer(job, socket_path=shared_node.sock).restore(into=live)
     assert got is not None and torch.equal(dst.weight, src.weight) and dst.weight.requires_grad
 
 
-def test_three_way_razor_restores_into_and_as_views(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    start_daemon()
-    sock = shm_root / "daemon.sock"
+def test_three_way_razor_restores_into_and_as_views(shared_node: SharedNode, job: str) -> None:
+    sock = shared_node.sock
     state = _state(5)
     for r in range(3):  # dp=3: slice boundaries that are not multiples of any dtype size, unless aligned
-        ck = Checkpointer("three", Layout(dp=3, dp_rank=r), socket_path=sock)
+        ck = Checkpointer(job, Layout(dp=3, dp_rank=r), socket_path=sock)
         ck.save(5, state)
         ck.close()
     for r in range(3):
         live = _state(0)
-        got = Checkpointer("three", Layout(dp=3, dp_rank=r), socket_path=sock).restore(into=live)
+        got = Checkpointer(job, Layout(dp=3, dp_rank=r), socket_path=sock).restore(into=live)
         assert got is not None and _equal(live, state)
-        view = Checkpointer("three", Layout(dp=3, dp_rank=r), socket_path=sock).restore(view=True)
+        view = Checkpointer(job, Layout(dp=3, dp_rank=r), socket_path=sock).restore(view=True)
         assert view is not None and _equal(view.state, state)
 
 
-def test_a_rewound_run_replaces_the_newer_versions(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    daemon = start_daemon()
-    ck = Checkpointer("rewind", socket_path=shm_root / "daemon.sock")
+def test_a_rewound_run_replaces_the_newer_versions(shared_node: SharedNode, job: str) -> None:
+    ck = Checkpointer(job, socket_path=shared_node.sock)
     for step in (204, 205, 206):
         ck.save(step, _state(step))
     ck.save(101, _state(101))  # the job restarted from an older checkpoint under the same name
     ck.save(102, _state(102))
     ck.close()
-    roles = httpx.get(daemon.url + "/v1/state").json()["roles"]
-    assert [v["step"] for v in roles[0]["versions"]] == [102, 101]
-    got = Checkpointer("rewind", socket_path=shm_root / "daemon.sock").restore()
+    assert [v["step"] for v in shared_node.roles(job)[0]["versions"]] == [102, 101]
+    got = Checkpointer(job, socket_path=shared_node.sock).restore()
     assert got is not None and got.step == 102 and _equal(got.state, _state(102))
 
 
@@ -263,34 +253,32 @@ def test_failures_do_not_poison_later_saves_or_restores(
     assert got is not None and got.step == 3 and _equal(got.state, _state(3))
 
 
-def test_every_copy_corrupt_and_no_durable_tier_is_an_error_not_a_fresh_start(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    daemon = start_daemon()
-    _save([Checkpointer("lost", socket_path=shm_root / "daemon.sock")], (1, 2))
-    for v in httpx.get(daemon.url + "/v1/state").json()["roles"][0]["versions"]:
-        (shm_root / v["slot"]).write_bytes(b"\1" * v["nbytes"])
+def test_every_copy_corrupt_and_no_durable_tier_is_an_error_not_a_fresh_start(shared_node: SharedNode, job: str) -> None:
+    _save([Checkpointer(job, socket_path=shared_node.sock)], (1, 2))
+    for v in shared_node.roles(job)[0]["versions"]:
+        (shared_node.root / v["slot"]).write_bytes(b"\1" * v["nbytes"])
     from trainer_client import CorruptError
 
     with pytest.raises(CorruptError, match="failed their checksums"):
-        Checkpointer("lost", socket_path=shm_root / "daemon.sock").restore()
+        Checkpointer(job, socket_path=shared_node.sock).restore()
 
 
-def test_a_step_saved_by_a_run_the_job_rewound_from_is_never_mixed_in(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    start_daemon()
-    sock = shm_root / "daemon.sock"
-    ranks = _pair(sock)
+def test_a_step_saved_by_a_run_the_job_rewound_from_is_never_mixed_in(shared_node: SharedNode, job: str) -> None:
+    sock = shared_node.sock
+    ranks = _pair(sock, job)
     for step in (1, 2, 3):
         for ck in ranks:
             ck.save(step, _state(step))
     ranks[0].save(4, _state(4))  # rank 1 dies before its step 4: the job rewinds to 3
     for ck in ranks:
         ck.close()
-    ranks = _pair(sock)
+    ranks = _pair(sock, job)
     assert [ck.restore().step for ck in ranks] == [3, 3]  # type: ignore[union-attr]
     ranks[1].save(4, _state(4, seed=9))  # the new run's step 4; rank 0 dies before its own
     for ck in ranks:
         ck.close()
     # step 4 now exists for both roles, from two different runs: it must not be restored
-    got = [Checkpointer("job", Layout(dp=2, dp_rank=r), socket_path=sock).restore() for r in range(2)]
+    got = [Checkpointer(job, Layout(dp=2, dp_rank=r), socket_path=sock).restore() for r in range(2)]
     assert [g.step for g in got if g is not None] == [3, 3] and _equal(got[0].state, _state(3))  # type: ignore[union-attr]
 
 
@@ -388,12 +376,11 @@ def test_a_live_checkpointer_carries_on_when_its_daemon_comes_back_empty(start_d
     assert got is not None and got.step == 4 and _equal(got.state, _state(4))
 
 
-def test_a_header_field_of_ffplanes_own_is_refused_and_the_next_save_goes_on(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
-    start_daemon()
-    ck = Checkpointer("hdr", socket_path=shm_root / "daemon.sock")
+def test_a_header_field_of_ffplanes_own_is_refused_and_the_next_save_goes_on(shared_node: SharedNode, job: str) -> None:
+    ck = Checkpointer(job, socket_path=shared_node.sock)
     with pytest.raises(ValueError, match="piece"):
         ck.save(1, _state(1), header={"piece": [0, 0]})  # would have overwritten the shard's slice
     assert ck.save(2, _state(2), header={"mine": {"catalogue": [1, 2]}})
     ck.close()
-    got = Checkpointer("hdr", socket_path=shm_root / "daemon.sock").restore()
+    got = Checkpointer(job, socket_path=shared_node.sock).restore()
     assert got is not None and got.step == 2 and _equal(got.state, _state(2))
