@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import uuid
@@ -107,6 +108,24 @@ def dataserver(tmp_path: Path, data_dir: Path) -> Iterator[Proc]:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_dataserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """One data server for a module's tests that neither stop nor restart it; each keeps to its
+    own job and node names (``job``), so no test sees another's."""
+    work = tmp_path_factory.mktemp("shared-dataserver")
+    proc = start("dataserver", ["serve", "--data-dir", str(make_datasets(work)), "--port", "0"], work, "dataserver")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def job(request: pytest.FixtureRequest) -> str:
+    """A job (or node) name of this test's own, for tests sharing a server."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", request.node.name)[:120]
 
 
 @pytest.fixture

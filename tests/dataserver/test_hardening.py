@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ def serve(tmp_path: Path, data_dir: Path) -> Iterator[Callable[..., Proc]]:
 def _beat(url: str, node_id: str, address: str, **extra: Any) -> httpx.Response:
     body = {"node_id": node_id, "address": address, "budget_bytes": 1, **extra}
     return httpx.post(url + "/v1/nodes/heartbeat", json=body, headers=AUTH)
+
+
+def _address_of(node: str) -> str:
+    """A peer address of ``node``'s own: two live nodes of one data server cannot share one."""
+    return f"http://127.0.0.1:{1024 + zlib.crc32(node.encode()) % 60000}"
 
 
 def _members(ds: Proc) -> dict[str, Any]:
@@ -197,16 +203,19 @@ def test_long_names_and_huge_numbers_get_a_4xx_not_a_500(dataserver: Proc) -> No
         ({"batch": 8}, 422, "batch"),  # a misspelt field is named, not ignored
     ],
 )
-def test_job_fields_are_strict_and_bounded_as_documented(dataserver: Proc, body: dict[str, Any], status: int, needle: str) -> None:
-    r = httpx.post(dataserver.url + "/v1/jobs", json={**JOB, "name": "s", **body}, headers=AUTH)
+def test_job_fields_are_strict_and_bounded_as_documented(
+    shared_dataserver: Proc, job: str, body: dict[str, Any], status: int, needle: str
+) -> None:
+    ds = shared_dataserver
+    r = httpx.post(ds.url + "/v1/jobs", json={**JOB, "name": job, **body}, headers=AUTH)
     assert r.status_code == status and needle in r.text, r.text
     if status == 201:
         assert r.json()["seed"] == body["seed"]
-        assert _fetch(dataserver, 0, 0).status_code == 404  # (j1 was never created)
-        one = httpx.get(dataserver.url + "/v1/jobs/s/batches", params={"dp_rank": 1, "start": 3}, headers=AUTH)
+        assert _fetch(ds, 0, 0).status_code == 404  # (j1 was never created)
+        one = httpx.get(f"{ds.url}/v1/jobs/{job}/batches", params={"dp_rank": 1, "start": 3}, headers=AUTH)
         assert one.status_code == 200
     else:
-        assert httpx.get(dataserver.url + "/v1/jobs").json() == []
+        assert job not in httpx.get(ds.url + "/v1/jobs").json()  # nothing written (the list of job names)
 
 
 @pytest.mark.parametrize(
@@ -219,10 +228,10 @@ def test_job_fields_are_strict_and_bounded_as_documented(dataserver: Proc, body:
         {"inventory": [1]},
     ],
 )
-def test_heartbeats_are_strict_and_bounded(dataserver: Proc, extra: dict[str, Any]) -> None:
-    r = _beat(dataserver.url, "n0", "http://127.0.0.1:9", **extra)
+def test_heartbeats_are_strict_and_bounded(shared_dataserver: Proc, job: str, extra: dict[str, Any]) -> None:
+    r = _beat(shared_dataserver.url, job, _address_of(job), **extra)
     assert r.status_code == 422, r.text
-    assert _members(dataserver) == {}
+    assert job not in _members(shared_dataserver)
 
 
 @pytest.mark.parametrize(
@@ -234,10 +243,12 @@ def test_heartbeats_are_strict_and_bounded(dataserver: Proc, extra: dict[str, An
         ({"inventory": {"j": {"r/x": [{"step": 1}]}}}, "inventory.j.r/x"),
     ],
 )
-def test_a_heartbeats_bad_record_is_dropped_and_named_not_the_node(dataserver: Proc, extra: dict[str, Any], record: str) -> None:
-    r = _beat(dataserver.url, "n0", "http://127.0.0.1:9", **extra)
+def test_a_heartbeats_bad_record_is_dropped_and_named_not_the_node(
+    shared_dataserver: Proc, job: str, extra: dict[str, Any], record: str
+) -> None:
+    r = _beat(shared_dataserver.url, job, _address_of(job), **extra)
     assert r.status_code == 200 and [d["record"] for d in r.json()["dropped"]] == [record], r.text
-    assert set(_members(dataserver)) == {"n0"}
+    assert job in _members(shared_dataserver)
 
 
 # ---- 7. token and size before the body; members that go silent ------------------------------------

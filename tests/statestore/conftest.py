@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -61,12 +60,6 @@ def shared_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedNode
     finally:
         dataserver.stop()
         shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def job(request: pytest.FixtureRequest) -> str:
-    """A job name of this test's own (on a shared node, nothing of another test's job is seen)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", request.node.name)[:120]
 
 
 @contextmanager
