@@ -161,14 +161,6 @@ class Get(Request, op="get", reply=GetReply):
 
 
 @dataclass(frozen=True)
-class Invalidate(Request, op="invalidate", reply=Done):
-    """Drop this stream's cached copy of ``step``:
-    it was planned before a re-plan, so its samples are no longer the step's."""
-
-    step: int
-
-
-@dataclass(frozen=True)
 class Alloc(Request, op="alloc", reply=AllocReply):
     """Create (or resize) the role's three slots, each of ``nbytes``, inside the daemon's budget;
     the reply names the files to map."""
@@ -260,9 +252,7 @@ class Bye(Request, op="bye", reply=Done):
     a connection of its own, answered before the process exits."""
 
 
-REQUESTS: dict[str, type[Request]] = {
-    cls.op: cls for cls in (Open, Get, Invalidate, Alloc, Begin, Abort, Commit, Restorable, Verify, Ping, Bye)
-}
+REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (Open, Get, Alloc, Begin, Abort, Commit, Restorable, Verify, Ping, Bye)}
 
 
 def encode(message: Request | Any) -> bytes:

@@ -117,11 +117,6 @@ class ControlServer:
             self._register(rid, conn, job=req.job, dp_rank=req.dp_rank)
             log.info("reader attached", extra={"job": req.job, "dp_rank": req.dp_rank, "reader": rid})
             return proto.OpenReply(str(self.cache.config.root), str(conn.stream.directory.relative_to(self.cache.config.root)))
-        if isinstance(req, proto.Invalidate):
-            if conn.stream is None:
-                raise ValueError("send 'open' before 'invalidate'")
-            self.cache.invalidate(conn.stream, req.step)
-            return proto.Done()
         if isinstance(req, proto.Alloc):
             paths = await self.state.slots.alloc(req.job, req.role, req.nbytes)
             wait = self.state.replicator.wait_s if self.state.replicator is not None and self.state.replicator.max_lag > 0 else 0.0

@@ -16,9 +16,10 @@ import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
+
+from ffplane_contract.dataserver_http import JobView
 
 STALE, CURRENT, AHEAD = -1, 0, 1  # a file against the plan: planned before it, in it, after it
 
@@ -30,12 +31,11 @@ class JobPlan:
     starts: tuple[int, ...]
 
     @classmethod
-    def from_view(cls, view: dict[str, Any]) -> JobPlan:
+    def from_view(cls, view: JobView) -> JobPlan:
         """The plan of a data server's job view; ValueError for a view that is not one."""
-        gens = view.get("generations")
-        if not isinstance(gens, list) or not gens:
-            raise ValueError(f"a job view without generations: {str(view)[:200]}")
-        starts = sorted(int(g["start_step"]) for g in gens)
+        if not view.generations:
+            raise ValueError(f"job {view.name!r}'s view has no generations")
+        starts = sorted(g.start_step for g in view.generations)
         if starts[0] != 0:
             raise ValueError(f"a job whose first generation starts at step {starts[0]}, not 0")
         return cls(tuple(starts))

@@ -13,6 +13,7 @@ import pytest
 
 from dataserver import Generation, Planner
 from ffplane_contract.control import Get, Open
+from ffplane_contract.dataserver_http import GenerationView, JobView
 from statestore.job_plans import AHEAD, CURRENT, STALE, JobPlan
 from tests._servers import TOKEN, Proc, until
 from tests.conftest import create_job
@@ -34,15 +35,23 @@ def _batches(path: Path) -> dict[int, tuple[int, list[int]]]:
         out[int(meta[b"step"])] = (int(meta[b"generation"]), item.batch.column("_sample_index").to_pylist())
 
 
+def _view(*starts: int) -> JobView:
+    """A data server's view of a job whose generations start at ``starts``."""
+    gens = [GenerationView(start_step=s, dp=1, batch_per_rank=1) for s in starts]
+    return JobView(name="j1", dataset=None, seed=0, max_steps=None, generations=gens, served_step=None)
+
+
 def test_a_plan_says_which_files_are_stale_and_which_are_ahead_of_it() -> None:
-    plan = JobPlan.from_view({"generations": [{"start_step": 10}, {"start_step": 0}]})
+    plan = JobPlan.from_view(_view(10, 0))
     assert [plan.generation(s) for s in (0, 9, 10, 99)] == [0, 0, 10, 10]
     assert plan.compare(8, (0, 0, 10, 10)) == CURRENT
     assert plan.compare(8, (0, 0, 0, 10)) == STALE  # step 10 planned before generation 10
     assert plan.compare(8, (0, 8, 10, 10)) == AHEAD  # a generation from step 9 this plan lacks
     assert plan.compare(8, None) == CURRENT  # untagged: not checked
     with pytest.raises(ValueError, match="first generation starts at step 3"):
-        JobPlan.from_view({"generations": [{"start_step": 3}]})
+        JobPlan.from_view(_view(3))
+    with pytest.raises(ValueError, match="has no generations"):
+        JobPlan.from_view(_view())
 
 
 @pytest.mark.parametrize("fetch_steps", ["1", "16"])  # a file a step, and runs of small steps in one file

@@ -18,7 +18,6 @@ REQUESTS: list[proto.Request] = [
     proto.Open("job", 3, "tok"),
     proto.Open("job", 0),
     proto.Get(12),
-    proto.Invalidate(4),
     proto.Alloc("job", "dp0-pp0-tp0", 1 << 20),
     proto.Begin("job", "dp0-pp0-tp0", 7),
     proto.Abort("job", "dp0-pp0-tp0", "state/job/dp0-pp0-tp0/s1"),
