@@ -73,7 +73,6 @@ def test_checkpoint_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "ck.json").exists()
 
 
-@pytest.mark.heavy  # with the soak on one xdist worker: minutes of several processes each
 def test_peers_smoke(tmp_path: Path) -> None:
     """ffplane beside the plain saver and every peer that is installed (bench/setup_peers.sh):
     a peer that is not keeps its row, with the reason."""
@@ -159,7 +158,6 @@ def test_recovery_smoke(tmp_path: Path) -> None:
     assert (tmp_path / "recovery.json").exists()
 
 
-@pytest.mark.heavy  # with the soak on one xdist worker: minutes of several processes each
 def test_step_cost_smoke(tmp_path: Path) -> None:
     """bench/step_cost.py runs the plain job, its floor (with a sink process), the shipped one and,
     with --together, a daemons' variant on a second cluster up beside the first, paired with plain."""
