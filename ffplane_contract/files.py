@@ -17,6 +17,7 @@ from pathlib import Path
 
 SOCKET_ENV = "FFPLANE_DAEMON_SOCKET"
 SOCKET_NAME = "daemon.sock"
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108, its NUL included)
 DEFAULT_ROOT = Path("/dev/shm/ffplane")
 DEFAULT_SOCKET = DEFAULT_ROOT / SOCKET_NAME
 

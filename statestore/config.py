@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, model_validator
 
-from ffplane_contract.files import DEFAULT_ROOT, SOCKET_NAME
+from ffplane_contract.files import DEFAULT_ROOT, SOCKET_NAME, SOCKET_PATH_MAX
 from ffplane_contract.limits import DEFAULT_STEPS_PER_REQUEST
 from ffplane_contract.servers import parse_urls
 from ffplane_contract.settings import (
@@ -81,6 +81,8 @@ class DaemonConfig(Settings):
         if self.durable_every and self.durable_dir is None:
             raise ValueError("--durable-every needs --durable-dir")
         self.gate.validate()  # an --gate-iface needs its --gate-link-mbit
+        if len(bytes(self.socket_path)) > SOCKET_PATH_MAX:  # else a traceback from bind() at startup
+            raise ValueError(f"--root is too long: its control socket {self.socket_path} would be over {SOCKET_PATH_MAX} bytes")
         return self
 
     @property

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,29 +18,12 @@ pytestmark = pytest.mark.bench
 
 
 def test_data_path_smoke(tmp_path: Path) -> None:
-    out = data_path.main(
-        [
-            "--gib",
-            "0.02",
-            "--batch",
-            "32",
-            "--seq",
-            "256",
-            "--steps",
-            "6",
-            "--cached-steps",
-            "4",
-            "--repeats",
-            "1",
-            "--no-mosaic",
-            "--work",
-            str(tmp_path / "work"),
-            "--results-dir",
-            str(tmp_path),
-            "--out",
-            "dp",
-        ]
-    )
+    # its daemons' sockets go under --work: a short folder, as a Unix socket's path holds 107 bytes
+    work = Path(tempfile.mkdtemp(prefix="ffdp-"))
+    try:
+        out = _data_path(work, tmp_path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     saved = json.loads((tmp_path / "dp.json").read_text())
     for name in (
         "memcpy_gbps",
@@ -53,6 +39,33 @@ def test_data_path_smoke(tmp_path: Path) -> None:
     if os.geteuid() == 0:  # it could mount the huge-page tmpfs, so it also measured /dev/shm
         assert saved["config"]["shm_pages"].startswith("2 MiB")
         assert saved["figures"]["node_cache_read_4k_pages_gbps"]["median"] > 0
+
+
+def _data_path(work: Path, results: Path) -> dict[str, Any]:
+    out: dict[str, Any] = data_path.main(
+        [
+            "--gib",
+            "0.02",
+            "--batch",
+            "32",
+            "--seq",
+            "256",
+            "--steps",
+            "6",
+            "--cached-steps",
+            "4",
+            "--repeats",
+            "1",
+            "--no-mosaic",
+            "--work",
+            str(work),
+            "--results-dir",
+            str(results),
+            "--out",
+            "dp",
+        ]
+    )
+    return out
 
 
 def test_checkpoint_smoke(tmp_path: Path) -> None:

@@ -111,3 +111,13 @@ def test_a_start_that_fails_midway_closes_what_it_had_started(shm_root: Path, ta
     with Daemon(config, TOKEN):  # the lock was let go: the root opens again at once
         assert (fresh / "daemon.lock").is_file()
     assert not fresh.exists()
+
+
+def test_a_root_too_long_for_the_control_socket_is_refused_in_one_line(tmp_path: Path) -> None:
+    root = tmp_path / ("r" * (110 - len(str(tmp_path))))  # its daemon.sock would not fit a Unix socket's path
+    done = refused_daemon(root)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"statestore: error: --root is too long: its control socket {root / 'daemon.sock'} would be over 107 bytes"
+    ]
+    assert not root.exists()  # nothing made
