@@ -7,8 +7,9 @@ round by round, so drift of the machine (page cache, turbo, a neighbour) falls o
 Each revision is checked out into a worktree of its own (removed afterwards) and each benchmark
 runs there as ``python -m bench.<name>``, with ``PYTHONPATH`` naming that worktree, so its servers
 and workers run that revision's code. Per figure: both sides' min/median/max over the rounds, the
-ratio of medians new/old, and ``within_spread``: whether the two sides' ranges overlap (a change
-smaller than either side's own run-to-run spread is no change this benchmark can see).
+ratio of medians new/old, ``within_spread``: whether the two sides' ranges overlap (a change
+smaller than either side's own run-to-run spread is no change this benchmark can see), and
+``worse_beyond_spread``: whether the new side is worse than the old one's whole range.
 """
 
 from __future__ import annotations
@@ -70,6 +71,17 @@ def _run(tree: Path, bench: str, args: list[str], out: Path) -> dict[str, Any]:
     return figures
 
 
+def compare(name: str, old_samples: list[float], new_samples: list[float]) -> dict[str, Any]:
+    """Both sides' summaries; ``within_spread``: the ranges overlap; ``worse_beyond_spread``: the
+    new side's whole range is on the worse side of the old one's (rates end in ``_gbps``: higher
+    is better; every other figure here is a time: lower is better)."""
+    old, new = summary(old_samples), summary(new_samples)
+    higher_is_better = name.endswith("_gbps")
+    worse = new["max"] < old["min"] if higher_is_better else new["min"] > old["max"]
+    within = new["min"] <= old["max"] and old["min"] <= new["max"]
+    return {"old": old, "new": new, "ratio": new["median"] / old["median"], "within_spread": within, "worse_beyond_spread": worse}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", required=True, help="the revision measured as the baseline")
@@ -99,15 +111,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for side in ("old", "new"):
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / side)], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
-    figures: dict[str, Any] = {}
-    print(f"\n{'figure':58s} {'old median':>12s} {'new median':>12s} {'new/old':>8s}  within spread")
-    for name, sides in samples.items():
-        old, new = summary(sides["old"]), summary(sides["new"])
-        within = new["min"] <= old["max"] and old["min"] <= new["max"]
-        figures[name] = {"old": old, "new": new, "ratio": new["median"] / old["median"], "within_spread": within}
-        print(f"{name:58s} {old['median']:12.4g} {new['median']:12.4g} {figures[name]['ratio']:8.3f}  {within}")
+    figures = {name: compare(name, sides["old"], sides["new"]) for name, sides in samples.items()}
+    print(f"\n{'figure':58s} {'old median':>12s} {'new median':>12s} {'new/old':>8s}  within spread  worse beyond it")
+    for name, f in figures.items():
+        print(
+            f"{name:58s} {f['old']['median']:12.4g} {f['new']['median']:12.4g} {f['ratio']:8.3f}  {f['within_spread']!s:13s}  {f['worse_beyond_spread']}"
+        )
     config = {"old": args.old, "new": args.new, "rounds": args.rounds, "plan": {b: PLAN[b][0] for b in benches}}
-    checks = {"all_within_spread": all(f["within_spread"] for f in figures.values())}
+    checks = {
+        "all_within_spread": all(f["within_spread"] for f in figures.values()),
+        "none_worse_beyond_spread": not any(f["worse_beyond_spread"] for f in figures.values()),
+    }
     path = write_results(args.out, figures, config, checks, args.results_dir)
     print(f"targets: {checks}\nwrote {path}")
     return {"figures": figures, "targets": checks}
