@@ -20,6 +20,9 @@ MAX_COUNT = 1 << 16
 # A data server's default --max-steps-per-request, and so the most a daemon's --fetch-steps asks
 # for in one request (more would be refused by a server left at its default).
 DEFAULT_STEPS_PER_REQUEST = 256
+# The largest JSON answer a daemon reads from a data server (a job view, a ring view, a job's
+# status): ~100 bytes per node or generation, so 8 MiB holds tens of thousands of either.
+MAX_ANSWER_BYTES = 8 << 20
 # A byte size or offset of a shard, from a peer: what a signed 64-bit file offset can address.
 MAX_BYTES = (1 << 63) - 1
 # Job, role and dataset names: no path separators, no leading dot, and short enough to be a file

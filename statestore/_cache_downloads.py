@@ -27,7 +27,7 @@ from statestore import shm
 from statestore._cache_admission import Admission, PutOff, Reservation
 from statestore._cache_streams import CachedFile, Stream, index_key
 from statestore.config import DaemonConfig
-from statestore.dataservers import DataServers
+from statestore.dataservers import DataServers, read_answer
 from statestore.index import Index
 from statestore.job_plans import file_generations, generations_of
 
@@ -110,7 +110,7 @@ class Downloads:
                 if resp.status != 200:
                     detail = (await resp.text())[:500]
                     raise error_from(resp.status, f"data server answered {resp.status} for job {stream.job!r}: {detail}")
-                return JobView.model_validate(await resp.json(content_type=None))
+                return JobView.model_validate_json(await read_answer(resp))
         except aiohttp.ClientError as exc:
             raise TransportError(f"cannot fetch job {stream.job!r} from {server}: {exc}") from exc
 

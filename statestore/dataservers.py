@@ -19,6 +19,8 @@ from typing import Any
 
 import aiohttp
 
+from ffplane_contract.errors import InvalidError
+from ffplane_contract.limits import MAX_ANSWER_BYTES
 from ffplane_contract.servers import LEADER_HEADER, parse_urls
 
 log = logging.getLogger(__name__)
@@ -105,7 +107,7 @@ class DataServers:
             url = self.leader
             try:
                 async with session.request(method, f"{url}{path}", **kwargs) as resp:
-                    status, body = resp.status, await resp.read()
+                    status, body = resp.status, await read_answer(resp)
                     hint = resp.headers.get(LEADER_HEADER)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 last_exc, tries = exc, tries - 1
@@ -123,3 +125,16 @@ class DataServers:
         if status == 0 and last_exc is not None:
             raise last_exc
         return status, body
+
+
+async def read_answer(resp: aiohttp.ClientResponse, limit: int = MAX_ANSWER_BYTES) -> bytes:
+    """A data server's JSON answer, read only while within ``limit``: a server that is wrong (or
+    not ours) cannot make this daemon hold an unbounded body. ``InvalidError`` past it."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise InvalidError(f"{resp.url} answered {resp.content_length} bytes; at most {limit} are read")
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise InvalidError(f"{resp.url} answered over {limit} bytes; at most {limit} are read")
+    return bytes(body)
