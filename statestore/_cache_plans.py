@@ -12,10 +12,10 @@ from contextlib import suppress
 
 from ffplane_contract.dataserver_http import JobView
 from ffplane_contract.errors import CorruptError, FFPlaneError
+from ffplane_contract.plan import CURRENT, STALE, JobPlan
 from statestore import shm
 from statestore._cache_streams import Stream, file_key
 from statestore.index import Index
-from statestore.job_plans import CURRENT, STALE, JobPlan
 
 log = logging.getLogger("statestore.data_cache")  # (the cache's parts log as the cache: what operators filter on)
 

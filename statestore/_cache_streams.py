@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ffplane_contract.errors import FFPlaneError
-from statestore.job_plans import JobPlan
+from ffplane_contract.plan import JobPlan
 
 
 @dataclass(eq=False)

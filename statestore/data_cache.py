@@ -38,6 +38,7 @@ from pathlib import Path
 
 from ffplane_contract.dataserver_http import JobView
 from ffplane_contract.errors import FFPlaneError, FFTimeoutError, TransportError
+from ffplane_contract.plan import STALE
 from statestore import shm
 from statestore._cache_admission import Admission
 from statestore._cache_downloads import Downloads, check_run
@@ -48,7 +49,7 @@ from statestore.budget import CACHE_HOLDER, Budget
 from statestore.config import DaemonConfig
 from statestore.dataservers import DataServers
 from statestore.index import Index
-from statestore.job_plans import STALE, file_generations
+from statestore.job_plans import file_generations
 from statestore.link_gate import LinkGate
 
 __all__ = ["CachedFile", "DataCache", "Stream", "check_run"]

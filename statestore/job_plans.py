@@ -1,7 +1,7 @@
 """Which generation of its job each step is planned in, as the node cache knows it.
 
 A job's plan changes only by gaining a generation (an elastic change from a step on): from its
-``start_step`` every step is planned anew. The data server tags each batch with the generation it
+``start_step`` every step is planned anew (``ffplane_contract.plan``, the rule the reader applies too). The data server tags each batch with the generation it
 was planned in (its start step, in the batch's ``generation`` metadata); the cache keeps those tags
 with each file it publishes (``file_generations``, or ``check_run``'s for a run) and the job's
 generations from the data server's job view (``GET /v1/jobs/{job}``: ``fetch_plan``). A cached
@@ -12,52 +12,10 @@ the plan is behind: the job gained a generation since it was fetched.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-
-from ffplane_contract.dataserver_http import JobView
-
-STALE, CURRENT, AHEAD = -1, 0, 1  # a file against the plan: planned before it, in it, after it
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    """The start steps of a job's generations, ascending (the first is 0)."""
-
-    starts: tuple[int, ...]
-
-    @classmethod
-    def from_view(cls, view: JobView) -> JobPlan:
-        """The plan of a data server's job view; ValueError for a view that is not one."""
-        if not view.generations:
-            raise ValueError(f"job {view.name!r}'s view has no generations")
-        starts = sorted(g.start_step for g in view.generations)
-        if starts[0] != 0:
-            raise ValueError(f"a job whose first generation starts at step {starts[0]}, not 0")
-        return cls(tuple(starts))
-
-    def generation(self, step: int) -> int:
-        """The generation (its start step) ``step`` is planned in."""
-        return self.starts[bisect.bisect_right(self.starts, step) - 1]
-
-    def compare(self, first: int, generations: Sequence[int] | None) -> int:
-        """A file of ``len(generations)`` steps from ``first``, tagged ``generations``, against this
-        plan: ``STALE`` if a step was planned before the generation it is in now, else ``AHEAD`` if
-        one was planned in a generation this plan lacks, else ``CURRENT`` (also for untagged files)."""
-        if generations is None:
-            return CURRENT
-        verdict = CURRENT
-        for step, got in enumerate(generations, first):
-            want = self.generation(step)
-            if got < want:
-                return STALE
-            if got > want:
-                verdict = AHEAD
-        return verdict
 
 
 def generations_of(metas: Sequence[Mapping[bytes, bytes] | None]) -> tuple[int, ...] | None:

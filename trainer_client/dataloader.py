@@ -13,7 +13,7 @@ from ffplane_contract import files
 from ffplane_contract.auth import load_token
 from ffplane_contract.errors import FFPlaneError
 from ffplane_contract.servers import DATASERVER_ENV
-from trainer_client._loader.generations import GenerationCheck, generation_starts
+from trainer_client._loader.generations import GenerationCheck, job_plan
 from trainer_client._loader.look_ahead import LookAhead
 from trainer_client._loader.micro_batches import MicroBatches
 from trainer_client._loader.part import Stage
@@ -106,13 +106,13 @@ class DataLoader:
             next_step=start_step,
             end_step=end_step,
         )
-        generations: list[int] = []  # start steps of the job's generations, when known
+        plan = None  # the job's generations, when known
         if self.dataserver:
             info = self._source.job_info()
-            generations = generation_starts(info)
+            plan = job_plan(info)
             if end_step is None:
                 self._source.end_step = info.get("max_steps")
-        placed = Placement(GenerationCheck(self._source, generations), self.device, self.pin_memory)
+        placed = Placement(GenerationCheck(self._source, plan), self.device, self.pin_memory)
         self._ahead = LookAhead(
             placed, what=f"job {job!r} dp_rank {dp_rank}", thread_name=f"ffplane-loader-{job}-{dp_rank}", timeout_s=timeout_s
         )

@@ -14,7 +14,7 @@ import pytest
 from dataserver import Generation, Planner
 from ffplane_contract.control import Get, Open
 from ffplane_contract.dataserver_http import GenerationView, JobView
-from statestore.job_plans import AHEAD, CURRENT, STALE, JobPlan
+from ffplane_contract.plan import AHEAD, CURRENT, STALE, JobPlan
 from tests._servers import TOKEN, Proc, until
 from tests.conftest import create_job
 from trainer_client._daemon_client import DaemonClient

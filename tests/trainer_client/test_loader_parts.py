@@ -12,10 +12,11 @@ import httpx
 import pytest
 import torch
 
+from ffplane_contract.plan import JobPlan
 from tests._servers import TOKEN, Proc
 from tests.conftest import create_job
 from tests.trainer_client._resume import check_resumes, read
-from trainer_client._loader.generations import GenerationCheck, generation_starts
+from trainer_client._loader.generations import GenerationCheck, job_plan
 from trainer_client._loader.look_ahead import LookAhead
 from trainer_client._loader.micro_batches import MicroBatches
 from trainer_client._loader.part import Fetched, Part, Stage, State
@@ -72,9 +73,9 @@ def test_the_source_resumes(dataserver: Proc, sock: Path) -> None:
 @pytest.mark.parametrize("sock", ["dataserver"], indirect=True)
 def test_the_generation_check_resumes_across_a_generation_it_learns_of(dataserver: Proc, sock: Path) -> None:
     _new_generation(dataserver, 4)  # the loader knows only the first: it asks again at step 4
-    check_resumes(lambda: GenerationCheck(_source(dataserver, sock), [0]), STEPS, _rows, at=[4, 5])
-    check = GenerationCheck(_source(dataserver, sock), [0])
-    assert [gen for _, gen, _ in read(check, _rows)] == [0] * 4 + [4] * 4 and check.generations == [0, 4]
+    check_resumes(lambda: GenerationCheck(_source(dataserver, sock), JobPlan((0,))), STEPS, _rows, at=[4, 5])
+    check = GenerationCheck(_source(dataserver, sock), JobPlan((0,)))
+    assert [gen for _, gen, _ in read(check, _rows)] == [0] * 4 + [4] * 4 and check.plan == JobPlan((0, 4))
 
 
 @pytest.mark.parametrize("sock", ["dataserver"], indirect=True)
@@ -84,10 +85,10 @@ def test_a_step_read_ahead_before_a_new_generation_is_read_again(dataserver: Pro
     source = _source(dataserver, sock, window=STEPS)
     assert source.next().step == 0  # steps 1-7 read ahead under the first plan
     _new_generation(dataserver, 4, replan_served=True)
-    check = GenerationCheck(source, generation_starts(source.job_info()))
+    check = GenerationCheck(source, job_plan(source.job_info()))
     rest = read(check, _rows)
     assert [(step, gen) for step, gen, _ in rest] == [(s, 0 if s < 4 else 4) for s in range(1, STEPS)]
-    direct = GenerationCheck(_source(dataserver, sock), [0, 4])
+    direct = GenerationCheck(_source(dataserver, sock), JobPlan((0, 4)))
     assert read(direct, _rows)[1:] == rest
     source.close()
 

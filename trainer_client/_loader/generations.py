@@ -2,7 +2,7 @@
 
 A job's plan changes by gaining a generation (an elastic change from a step on); each batch says
 which one it was planned in. Read from the node daemon, a step is the daemon's to check (it owns
-the cache that may hold a step planned before the change, see ``statestore.job_plans``). Read from
+the cache that may hold a step planned before the change, the same rule: ``ffplane_contract.plan``). Read from
 the data server, a step is planned when it is asked for, but the source asks for several at once:
 a step of that read-ahead may predate a generation added since, and one newer than the loader
 knows says the job gained one.
@@ -10,20 +10,21 @@ knows says the job gained one.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
 from typing import Any
 
+from ffplane_contract.dataserver_http import JobView
 from ffplane_contract.errors import CorruptError
+from ffplane_contract.plan import JobPlan
 from trainer_client._loader.part import Fetched, Stage
 from trainer_client._loader.source import StepSource
 
 _REFETCHES = 2  # a step that still arrives from another generation after this many is refused
 
 
-def generation_starts(job_info: dict[str, Any]) -> list[int]:
-    """The start steps of a job's generations, ascending, from the data server's job view."""
-    return sorted(int(g["start_step"]) for g in job_info.get("generations", []))
+def job_plan(job_info: dict[str, Any]) -> JobPlan | None:
+    """The plan of the data server's job view (None for a view without generations)."""
+    view = JobView.model_validate(job_info)
+    return JobPlan.from_view(view) if view.generations else None
 
 
 class GenerationCheck(Stage[Fetched]):
@@ -32,30 +33,26 @@ class GenerationCheck(Stage[Fetched]):
     an older one is asked for again. Steps from the node daemon pass as they are. No state of its
     own: the job's generations are the data server's, asked for again on a resume."""
 
-    def __init__(self, source: StepSource, generations: Sequence[int]) -> None:
+    def __init__(self, source: StepSource, plan: JobPlan | None) -> None:
         super().__init__(source)
         self.source = source
-        self.generations = sorted(generations)
+        self.plan = plan
 
     def next(self) -> Fetched:
         item = self.source.next()
-        if self.source.name != "dataserver" or not self.generations:
+        if self.source.name != "dataserver" or self.plan is None:
             return item
         return self._checked(item)
-
-    def expected(self, step: int) -> int | None:
-        """The generation the job plans ``step`` in, as the loader knows it."""
-        at = bisect.bisect_right(self.generations, step)
-        return self.generations[at - 1] if at else None
 
     def _checked(self, item: Fetched) -> Fetched:
         refreshed, refetches = False, 0
         while True:
-            want = self.expected(item.step)
+            assert self.plan is not None
+            want = self.plan.generation(item.step)
             if item.generation == want:
                 return item
-            if not refreshed and item.generation > (want if want is not None else -1):
-                self.generations = generation_starts(self.source.job_info())  # the job gained one since
+            if not refreshed and item.generation > want:
+                self.plan = job_plan(self.source.job_info()) or self.plan  # the job gained one since
                 refreshed = True
                 continue
             if refetches == _REFETCHES:
