@@ -302,6 +302,9 @@ def test_a_save_while_the_previous_commit_is_unanswered_waits_or_skips(start_dae
         assert wait.save(3, _state(3))  # blocked until the daemon answered step 2, then saved
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
+    # skip's step-2 answer may still be on its way (wait only waited for its own): wait for it,
+    # then skip saves again
+    skip.wait()
     assert skip.save(4, _state(4))
     for ck in (skip, wait):
         ck.close()
