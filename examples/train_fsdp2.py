@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from train_ffplane import GPT
 
-from trainer_client import Checkpointer, DataLoader, Layout
+from trainer_client import Checkpointer, DataLoader, Layout, settle_all
 from trainer_client.dcp import DaemonReader, DaemonWriter
 
 
@@ -80,6 +80,9 @@ def main() -> None:
         x = batch["tokens"].long() % 512
         loss = nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad()
+        # the last save's replica exists before backward's reduce-scatters run: a node lost
+        # costs at most one step, and the daemons keep two copies of each shard, not three
+        settle_all()
         loss.backward()
         opt.step()
         if args.checkpoint == "dcp":

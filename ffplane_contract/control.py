@@ -64,6 +64,7 @@ _CHECKS: dict[str, Any] = {
     "header": _object,
     "save_block_s": float,
     "reserved": bool,
+    "settled": bool,
     "static": str,
     "static_header": _object,
     "verify": bool,
@@ -118,6 +119,9 @@ class Grant:
 
     slot: str  # relative to the daemon's root: how requests name it
     path: str  # absolute: where the worker maps it
+    # the slot holds the role's older committed version, which only a settled save may
+    # overwrite (``Commit.settled``); an unsettled one sends ``Begin`` instead
+    settled_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,7 @@ class Begin(Request, op="begin", reply=Grant):
     job: str
     role: str
     step: int
+    settled: bool = False  # as ``Commit.settled``: the save may overwrite all but the newest version
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,10 @@ class Commit(Request, op="commit", reply=CommitReply):
     reserved: bool = False  # the slot came with the previous commit's reply
     static: str = ""  # digest of the header's static part
     static_header: dict[str, Any] | None = field(default=None)  # sent when it changed
+    # every rank's previous save was answered before a collective this rank then passed
+    # (``settle_all``): no role needs a version older than this role's newest, so the save may
+    # overwrite it and its replica (docs/decisions.md, "Two slots and two replica files per role")
+    settled: bool = False
 
     def __post_init__(self) -> None:
         if self.static_header is not None and not self.static:
@@ -294,7 +303,8 @@ def decode_reply(request: Request, reply: dict[str, Any]) -> Any:
     cls = request.Reply
     if cls is CommitReply:
         nxt = reply.get("next")
-        return CommitReply(str(reply["checksum"]), None if not nxt else Grant(str(nxt["slot"]), str(nxt["path"])))
+        grant = None if not nxt else Grant(str(nxt["slot"]), str(nxt["path"]), nxt.get("settled_only") is True)
+        return CommitReply(str(reply["checksum"]), grant)
     return cls(**{k: reply[k] for k, _ in _fields_of(cls) if k in reply})
 
 

@@ -30,11 +30,12 @@ class ShardHeader(TypedDict, total=False):
     piece: list[int]  # [lo, hi): the slice of the replicated stream
     unique_nbytes: int  # the state's bytes once (private + replicated)
     lineage: int  # the run segment; a restore never mixes two
+    settled: bool  # the save was settled (its daemon says so): its successor keeps one replica fewer while the next arrives
 
 
 # The keys that change from step to step (the tree holds loop counters, lr, a loader position);
 # the rest is the header's static part, which a commit or a push sends only when it changes.
-PER_STEP = ("tree", "tree_json")
+PER_STEP = ("tree", "tree_json", "settled")
 
 
 def static_digest(static: dict[str, Any]) -> str:
@@ -98,4 +99,5 @@ _TYPES: dict[str, type] = {
     "piece": list,
     "unique_nbytes": int,
     "lineage": int,
+    "settled": bool,
 }

@@ -31,6 +31,16 @@ from ffplane_contract.settings import (
 )
 from ffplane_contract.warm import default_dir
 from statestore.link_gate import GateConfig
+from statestore.retention import DEFAULT_VERSIONS, MAX_VERSIONS, MIN_VERSIONS
+
+
+def _versions(n: int) -> int:
+    if n < MIN_VERSIONS:
+        raise ValueError(
+            f"--versions {n} cannot survive a node loss: a node lost while its push is in flight leaves its roles no "
+            f"intact copy in memory (its only replica half-overwritten); at least {MIN_VERSIONS}"
+        )
+    return n
 
 
 def _urls(spec: str) -> str:
@@ -61,6 +71,7 @@ class DaemonConfig(Settings):
     no_replicate: bool = Field(False, description="do not push commits to the ring successor")
     replica_max_lag: NonNegInt = Field(1, description="a commit is answered once the ring successor holds the version this many commits back, counting itself (1 = itself); that push passes the link gate (0 = off: replication always waits for an idle link)")  # fmt: skip
     replica_wait_s: NonNegSeconds = Field(30.0, description="longest a commit answer waits for that replica (then logged)")
+    versions: Annotated[int, AfterValidator(_versions)] = Field(DEFAULT_VERSIONS, le=MAX_VERSIONS, description=f"committed versions each local role keeps here, in as many slots, and its ring successor in replica files (at least {MIN_VERSIONS}): 2 survive a worker kill, a daemon kill and one node loss losing at most one step when saves are settled (trainer_client.settle_all, which the DDP comm hook calls); a role whose saves are not is given a slot and a file more, and may lose two")  # fmt: skip
     gate_rate_cap_mbit: RateMbit = Field(0.0, description="cap on all STATE traffic, Mbit/s (0 = none)")
     gate_iface: str = Field("", description="training NIC whose byte counters close the gate (default: off)")
     gate_link_mbit: RateMbit = Field(0.0, description="that NIC's rate, Mbit/s")

@@ -122,7 +122,8 @@ class ControlServer:
             wait = self.state.replicator.wait_s if self.state.replicator is not None and self.state.replicator.max_lag > 0 else 0.0
             return proto.AllocReply([str(root / p) for p in paths], wait)
         if isinstance(req, proto.Begin):
-            slot = self.state.begin(req.job, req.role, req.step)
+            self._release_reserved(req.job, req.role, conn)  # a writer that begins holds none it uses
+            slot = await self.state.begin(req.job, req.role, req.step, req.settled)
             self._register(rid, conn, job=req.job, role=req.role)
             conn.writing.add((req.job, req.role, slot))
             return proto.Grant(slot, str(root / slot))
@@ -140,6 +141,7 @@ class ControlServer:
                 req.header,
                 req.save_block_s,
                 reserved=req.reserved,
+                settled=req.settled,
                 static=req.static,
                 static_header=req.static_header,
             )
@@ -158,11 +160,22 @@ class ControlServer:
         """The slot for this role's next save, handed out with the commit reply: the save then
         needs no ``begin`` round trip (see docs/decisions.md, "One request per save")."""
         try:
-            slot = self.state.begin(job, role, RESERVED)
+            reserved = self.state.reserve(job, role)
         except FFPlaneError:
+            return None
+        if reserved is None:
             return None  # none free now (a durable copy holds it): the next save sends 'begin'
+        slot, settled_only = reserved
         conn.writing.add((job, role, slot))
-        return proto.Grant(slot, f"{self.state.root}/{slot}")
+        return proto.Grant(slot, f"{self.state.root}/{slot}", settled_only)
+
+    def _release_reserved(self, job: str, role: str, conn: _Conn) -> None:
+        """Give back a slot reserved for this connection's role that its writer did not take."""
+        rs = self.state.slots.roles.get((job, role))
+        for key in [k for k in conn.writing if k[:2] == (job, role)]:
+            if rs is not None and rs.writing.get(key[2]) == RESERVED:
+                self.state.slots.abandon(job, role, key[2])
+                conn.writing.discard(key)
 
     def _register(self, rid: int, conn: _Conn, **what: object) -> None:
         if self.heartbeat is not None:

@@ -117,7 +117,7 @@ class Heartbeat:
         for rs in self.slots.roles.values():
             out.setdefault(rs.job, {})[rs.role] = [
                 {"step": v.step, "checksum": v.checksum, "nbytes": v.nbytes, "layout_roles": v.header.get("layout_roles", [rs.role])}
-                for v in rs.newest()
+                for v in rs.newest(len(rs.versions))
             ]
         if self.replicas is not None:
             for (job, role), versions in self.replicas.complete.items():

@@ -22,7 +22,8 @@ from ffplane_contract.checksum import checksum
 from statestore import shm
 from statestore.index import SIDECAR, Index, read_sidecar
 from statestore.replicas import SPARE, STATICS_KEY
-from statestore.slots import KEEP_VERSIONS, SLOTS, version_key
+from statestore.retention import MIN_VERSIONS
+from statestore.slots import version_key
 
 log = logging.getLogger(__name__)
 QUARANTINE = "_quarantine"
@@ -111,8 +112,10 @@ def _role(root: Path, index: Index, role_dir: Path, out: Rebuilt, stamp: str) ->
         m = _SLOT.match(path.name)
         if m:
             gens.setdefault(int(m.group(1)), []).append(path)
-    # the role's slot set: the newest generation that is whole (all slots, one size)
-    current = next((g for g in sorted(gens, reverse=True) if len(gens[g]) == SLOTS and len({p.stat().st_size for p in gens[g]}) == 1), None)
+    # the role's slot set: the newest generation that is whole (at least the fewest slots a role has, one size)
+    current = next(
+        (g for g in sorted(gens, reverse=True) if len(gens[g]) >= MIN_VERSIONS and len({p.stat().st_size for p in gens[g]}) == 1), None
+    )
     if current is None:
         for paths in gens.values():
             out.quarantined += [set_aside(root, p, stamp) for p in paths]
@@ -132,7 +135,7 @@ def _role(root: Path, index: Index, role_dir: Path, out: Rebuilt, stamp: str) ->
             step = int(meta["step"])
             if step not in found or meta.get("committed_at", 0) > found[step].get("committed_at", 0):
                 found[step] = meta
-    kept = sorted(found, reverse=True)[:KEEP_VERSIONS]
+    kept = sorted(found, reverse=True)[: len(paths)]
     for step in kept:
         index.put(version_key(job, role, step), found[step])
         out.versions += 1

@@ -4,14 +4,16 @@ predecessor and shards pulled for a restore.
 A shard arrives in chunks into ``<root>/<job>/replica/<role>/<step>.part``; the sender may stop
 and resume at the offset the receiver reports. Only when every byte is in and the whole-shard
 checksum matches is it renamed to ``.bin`` and recorded in the LMDB index — a replica counts
-(inventory, restore) only from then on. Two versions per role are kept.
+(inventory, restore) only from then on. As many versions per role are kept as its primary keeps
+(``statestore.retention``): 2 by default, 3 while its saves are not settled.
 
-The file of a pushed replica that gives way to newer ones is kept as the role's spare, mapped
-writable, and the next push of the role lands in it: fresh tmpfs pages cost more to allocate and
-zero than the bytes cost to receive (``bench/save_cpu.py``: 0.84-1.10 s/GiB received into a new
-file, 0.20-0.23 into one whose pages exist; docs/decisions.md "Replicas on a bulk channel,
-received into a reused file"). It is reused only once two newer versions of its role have arrived, which
-happens only while the role's primary saves — and then nothing restores that role from it.
+When a push begins, the role's oldest replica that no role can need any more gives way (the
+push's header says whether the save was settled: ``retention.kept_while_writing``); its file is
+kept as the role's spare, mapped writable, and the push lands in it: fresh tmpfs pages cost more
+to allocate and zero than the bytes cost to receive (``bench/save_cpu.py``: 0.84-1.10 s/GiB
+received into a new file, 0.20-0.23 into one whose pages exist; docs/decisions.md "Replicas on a
+bulk channel, received into a reused file"). That happens only while the role's primary saves —
+and then nothing restores that role from the version retired.
 """
 
 from __future__ import annotations
@@ -30,13 +32,12 @@ from ffplane_contract.checksum import streaming_checksum
 from ffplane_contract.errors import CapacityError, CorruptError, FFPlaneError, StaticHeaderUnknownError, TransferOrderError
 from ffplane_contract.shard import PER_STEP, header_digest, header_intact, static_digest
 from ffplane_runtime.pagemap import populate_write
-from statestore import shm
+from statestore import retention, shm
 from statestore.budget import REPLICAS_HOLDER, Budget
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
 
 log = logging.getLogger(__name__)
-KEEP_VERSIONS = 2  # a replica trails its primary by at most a commit or so; the primary keeps three
 SPARE = "spare.bin"  # a role's retired replica file, kept for its next push
 STATICS_KEY = "rstatics/"  # index keys of replicas' static header parts: rstatics/<job>/<role>/<digest>
 
@@ -90,9 +91,10 @@ def _key(job: str, role: str, step: int) -> str:
 
 
 class ReplicaStore:
-    def __init__(self, root: Path, index: Index, budget: Budget) -> None:
+    def __init__(self, root: Path, index: Index, budget: Budget, versions: int = retention.DEFAULT_VERSIONS) -> None:
         """``budget``: the daemon's one ledger, shared with the data cache and the slots; the
-        replicas count in it as ``replicas``."""
+        replicas count in it as ``replicas``. ``versions``: as the primaries' (``--versions``)."""
+        self.versions = versions
         self.root = root
         self._root = str(root)  # the per-push paths are strings (see index.write_sidecar)
         self.index = index
@@ -193,6 +195,8 @@ class ReplicaStore:
             self._drop_incoming(key)  # another version of the same step: start over
             inc = None
         if inc is None:
+            if kind == "replica":
+                self._make_way(job, role, step, header.get("settled") is True)
             spare = self._spares.pop((job, role), None)
             if spare is not None and spare.size != nbytes:
                 # never truncated: a reader of the version it held may still be copying from it
@@ -229,6 +233,17 @@ class ReplicaStore:
             )
             self._incoming[key] = inc
         return inc.received
+
+    def _make_way(self, job: str, role: str, step: int, settled: bool) -> None:
+        """A push of ``step`` begins: retire the role's older replicas beyond those kept while
+        it arrives (``retention.kept_while_writing``); the oldest becomes the spare it lands in."""
+        versions = self.complete.get((job, role), {})
+        older = sorted((s for s, r in versions.items() if r.kind == "replica" and s < step), reverse=True)
+        stale = older[retention.kept_while_writing(self.versions, settled) :]
+        if stale:
+            self.index.delete(*(_key(job, role, s) for s in stale))
+            for s in stale:  # the first becomes the spare (if the role has none), the rest go
+                self._retire(versions.pop(s))
 
     def _static(self, job: str, role: str, digest: str, given: dict[str, Any] | None) -> dict[str, Any]:
         known = self.statics.setdefault((job, role), {})
@@ -367,7 +382,7 @@ class ReplicaStore:
             # as with slots: a "future" the primary rewound from (it restored an older step and
             # saves again) must not outrank what it saves now
             stale = [s for s in steps if s > newest] if newest is not None else []
-            stale += sorted(s for s in steps if s not in stale)[:-KEEP_VERSIONS]
+            stale += sorted(s for s in steps if s not in stale)[: -retention.files(self.versions, r.header.get("settled") is True)]
             stale = [s for s in stale if s != step]  # what was just asked for stays (a restore may want an older step)
             recorded = time.perf_counter()
             entry = encode(r.index_entry())  # once, for the index and the sidecar
@@ -401,7 +416,7 @@ class ReplicaStore:
         for key, inc in list(self._incoming.items()):
             job, role, step = key
             kept = self.complete.get((job, role), {})
-            superseded = inc.meta.kind != "pulled" and len(kept) >= KEEP_VERSIONS and step < min(kept)
+            superseded = inc.meta.kind != "pulled" and len(kept) >= retention.MIN_VERSIONS and step < min(kept)
             if superseded or now - inc.touched > idle_s:
                 if not inc.lock.locked():
                     self._drop_incoming(key)
@@ -463,6 +478,25 @@ class ReplicaStore:
                 self.index.delete(*(_key(j, role, s) for s in stale))
             for s in stale:
                 self._unlink(versions.pop(s))
+
+    def memory(self) -> list[dict[str, Any]]:
+        """Per role held here: the bytes of its replica files (kept, arriving, its spare), how
+        many, and their multiple of its shard (its newest replica's size)."""
+        held: dict[tuple[str, str], list[int]] = {}  # → [bytes, files, shard bytes]
+        for key, versions in self.complete.items():
+            for r in versions.values():
+                h = held.setdefault(key, [0, 0, 0])
+                h[0], h[1], h[2] = h[0] + r.nbytes, h[1] + 1, max(h[2], r.nbytes)
+        for (job, role, _), inc in self._incoming.items():
+            h = held.setdefault((job, role), [0, 0, 0])
+            h[0], h[1], h[2] = h[0] + inc.meta.nbytes, h[1] + 1, max(h[2], inc.meta.nbytes)
+        for key, spare in self._spares.items():
+            h = held.setdefault(key, [0, 0, 0])
+            h[0], h[1] = h[0] + spare.size, h[1] + 1
+        return [
+            {"job": job, "role": role, "bytes": b, "files": n, "shard_bytes": shard, "multiple": round(b / max(shard, 1), 3)}
+            for (job, role), (b, n, shard) in sorted(held.items())
+        ]
 
     def describe(self) -> list[dict[str, Any]]:
         out = []

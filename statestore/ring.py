@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from statestore import retention
 from statestore.heartbeat import Heartbeat
-from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
 from statestore.replicas import ReplicaStore
 from statestore.shard import LocalShard, find_local
 from statestore.slots import SlotStore
@@ -158,12 +158,16 @@ class Replicator:
         return done is not None and done[0] >= step and done[1] == self.successor
 
     def _ring_changed(self, view: dict[str, Any]) -> None:
-        """Everything whose copy may have gone: our newest versions (as many as a replica
-        keeps), and the replicas we hold for a primary that died (their only copy is now ours).
+        """Everything whose copy may have gone: our newest versions (as many as a replica keeps
+        while the next one arrives), and the replicas we hold for a primary that died (their only copy is now ours).
         A version this successor has had before may be there still (a change elsewhere in the
         ring, a view that caught up late): ``push`` asks before sending it again."""
         dead = set(view.get("dead", []))
-        again = [(rs.job, rs.role, v.step) for rs in self.slots.roles.values() for v in rs.newest(REPLICA_VERSIONS)]
+        again = [
+            (rs.job, rs.role, v.step)
+            for rs in self.slots.roles.values()
+            for v in rs.newest(retention.kept_while_writing(self.slots.versions, settled=False))
+        ]
         for (job, role), versions in self.replicas.complete.items():
             for r in versions.values():
                 if r.source in dead and r.kind == "replica":

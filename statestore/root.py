@@ -69,9 +69,9 @@ def open_root(config: DaemonConfig, token: str | None, stack: ExitStack, served:
     servers = DataServers(config.dataserver)
     budget = Budget(config.budget_bytes)
     cache = DataCache(config, index, token, gate, servers, budget)  # nothing to close before it starts
-    slots = SlotStore(root, index, budget)
+    slots = SlotStore(root, index, budget, config.versions)
     stack.callback(slots.close)
-    replicas = ReplicaStore(root, index, budget)
+    replicas = ReplicaStore(root, index, budget, config.versions)
     stack.callback(replicas.close)
     kept, dropped = cache.reattach()
     versions, held = slots.reattach(), replicas.reattach()

@@ -1,11 +1,12 @@
 """State slots: every local role's newest committed checkpoint shards, in reused shared memory.
 
-Each role gets ``SLOTS`` (4) slot files, allocated once at its first save with the whole size
-reserved (``posix_fallocate`` — a save that does not fit fails then, with a message, instead of
-a SIGBUS later) and reused for every save: three hold the newest committed versions, one takes
-the save in progress. The worker maps its slots once and copies its bytes in; the daemon then
-checksums the slot and records the version in the LMDB index — only then is it *committed*.
-A worker killed mid-copy leaves an uncommitted slot and the previous versions intact.
+Each role gets ``versions`` slot files (2 by default), allocated once at its first save with the
+whole size reserved (``posix_fallocate`` — a save that does not fit fails then, with a message,
+instead of a SIGBUS later) and reused for every save: a save overwrites the oldest version once
+no role can need it (``statestore.retention``), and a role whose saves are not settled gets one
+slot more. The worker maps its slots once and copies its bytes in; the daemon then checksums the
+slot and records the version in the LMDB index — only then is it *committed*. A worker killed
+mid-copy leaves an uncommitted slot and the previous versions intact.
 """
 
 from __future__ import annotations
@@ -36,18 +37,12 @@ from ffplane_contract.errors import (
 )
 from ffplane_contract.restorable import Layouts, whole_steps
 from ffplane_contract.shard import PER_STEP, header_digest, header_intact, layout_roles, static_digest
-from statestore import shm
+from statestore import retention, shm
 from statestore.budget import SLOTS_HOLDER, Budget
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
-from statestore.replicas import KEEP_VERSIONS as REPLICA_VERSIONS
 
 log = logging.getLogger(__name__)
-KEEP_VERSIONS = 3  # see docs/decisions.md, "Four slots per role: three committed versions"
-SLOTS = KEEP_VERSIONS + 1
-# what a role costs on its ring successor, in slot sizes: the replicas it keeps and the file the
-# next one arrives in (a reused spare between pushes)
-SUCCESSOR_FILES = REPLICA_VERSIONS + 1
 RESERVED = -1  # ``writing`` value of a slot handed out for a role's next save, step not yet known
 # Below this a commit checksums on the event loop (≤ ~0.5 ms held): handing it to a thread costs
 # ~0.1 ms of CPU here (two wake-ups), as much as checksumming 2 MiB, on cores training keeps busy.
@@ -85,9 +80,16 @@ class RoleState:
     versions: dict[int, Version] = field(default_factory=dict)
     writing: dict[str, int] = field(default_factory=dict)  # slot path → step being written (or RESERVED)
     statics: dict[str, dict[str, Any]] = field(default_factory=dict)  # digest → static header part
+    settled: bool | None = None  # whether its last save was settled (None: none since the daemon started)
+    settled_only: set[str] = field(default_factory=set)  # reserved slots only a settled save may write
+    grown: str = ""  # why it has a slot more than ``versions`` (said once)
 
-    def newest(self, n: int = KEEP_VERSIONS) -> list[Version]:
+    def newest(self, n: int) -> list[Version]:
         return [self.versions[s] for s in sorted(self.versions, reverse=True)[:n]]
+
+    def holding(self, slot: str) -> list[int]:
+        """The steps whose version ``slot`` holds (at most one)."""
+        return [s for s, v in self.versions.items() if v.path == slot]
 
 
 def version_key(job: str, role: str, step: int) -> str:
@@ -95,9 +97,10 @@ def version_key(job: str, role: str, step: int) -> str:
 
 
 class SlotStore:
-    def __init__(self, root: Path, index: Index, budget: Budget) -> None:
+    def __init__(self, root: Path, index: Index, budget: Budget, versions: int = retention.DEFAULT_VERSIONS) -> None:
         """``budget``: the daemon's one ledger, shared with the data cache and the replicas; the
-        slots count in it as ``slots``."""
+        slots count in it as ``slots``. ``versions``: committed versions kept per role."""
+        self.versions = versions
         self.root = root
         self._root = str(root)  # the per-save paths are strings (see index.write_sidecar)
         self.index = index
@@ -169,28 +172,52 @@ class SlotStore:
         if rs.size >= nbytes and rs.paths:
             return rs.paths
         size = max(nbytes, 1)
-        grow = SLOTS * size - self._live_bytes(rs)
+        count = max(self.versions, len(rs.paths))  # a role given a slot more keeps it
+        grow = count * size - self._live_bytes(rs)
         free = self.budget.free()
         if grow > free:
             raise CapacityError(
-                f"role {role} of job {job} needs {SLOTS} slots x {size / 2**20:.1f} MiB but only "
+                f"role {role} of job {job} needs {count} slots x {size / 2**20:.1f} MiB but only "
                 f"{max(free, 0) / 2**20:.1f} MiB of the daemon's budget is left; raise the daemon's "
                 "--budget-mb (and the tmpfs size) or save less state per role",
             )
         rs.gen += 1
         directory = shm.private_dir(self.root / job / "state" / role)
-        paths = []
-        for k in range(SLOTS):
-            path = directory / f"slot-{rs.gen}-{k}.bin"
-            await asyncio.to_thread(_prefault, path, size)
-            paths.append(str(path.relative_to(self.root)))
+        paths = [str((directory / f"slot-{rs.gen}-{k}.bin").relative_to(self.root)) for k in range(count)]
+        for path in paths:
+            await asyncio.to_thread(_prefault, self.root / path, size)
         old = set(rs.paths)
         rs.paths, rs.size = paths, size
         self.roles[(job, role)] = rs
-        self.index.put(f"slots/{job}/{role}", {"gen": rs.gen, "size": size, "paths": paths})
+        self._record_paths(rs)
         self._release_unreferenced(rs, old)
-        log.info("slots allocated", extra={"job": job, "role": role, "slot_bytes": size, "slots": SLOTS})
+        log.info("slots allocated", extra={"job": job, "role": role, "slot_bytes": size, "slots": count})
         return paths
+
+    async def grow(self, job: str, role: str, why: str) -> None:
+        """One slot more for ``role``, whose next save cannot overwrite any it has (``why``);
+        said once per role. At most ``retention.files(versions, settled=False)`` slots."""
+        rs = self.roles[(job, role)]
+        if len(rs.paths) >= max(self.versions, retention.files(self.versions, settled=False)):
+            return
+        if rs.size > self.budget.free():
+            raise CapacityError(
+                f"role {role} of job {job} needs one slot more ({why}) but only {max(self.budget.free(), 0) / 2**20:.1f} MiB "
+                "of the daemon's budget is left; raise the daemon's --budget-mb",
+            )
+        path = shm.private_dir(self.root / job / "state" / role) / f"slot-{rs.gen}-{len(rs.paths)}.bin"
+        await asyncio.to_thread(_prefault, path, rs.size)
+        rs.paths = [*rs.paths, str(path.relative_to(self.root))]
+        self._record_paths(rs)
+        if not rs.grown:
+            rs.grown = why
+            log.warning(
+                "a role keeps one slot more than --versions",
+                extra={"job": job, "role": role, "why": why, "slots": len(rs.paths), "slot_bytes": rs.size},
+            )
+
+    def _record_paths(self, rs: RoleState) -> None:
+        self.index.put(f"slots/{rs.job}/{rs.role}", {"gen": rs.gen, "size": rs.size, "paths": rs.paths})
 
     def _live_bytes(self, rs: RoleState) -> int:
         return len(rs.paths) * rs.size
@@ -204,26 +231,55 @@ class SlotStore:
             (self.root / rel).unlink(missing_ok=True)
             remove_sidecar(self.root / rel)
 
-    def begin(self, job: str, role: str, step: int, exclude: AbstractSet[str] = frozenset()) -> str:
-        """Pick the slot for ``step`` (``RESERVED``: for the role's next save, whatever its step):
-        none of the newest committed versions, nor one in use."""
-        rs = self.roles.get((job, role))
-        if rs is None or not rs.paths:
-            raise NoSlotsError(f"role {role} of job {job} has no slots; send 'alloc' first")
-        keep = {v.path for v in rs.newest()}
-        free = [p for p in rs.paths if p not in keep and p not in rs.writing and p not in exclude]
+    def begin(self, job: str, role: str, step: int, settled: bool = False, exclude: AbstractSet[str] = frozenset()) -> str:
+        """Pick the slot for ``step``: one holding none of the versions a save (``settled`` or
+        not: ``retention.kept_while_writing``) keeps, nor in use. ``SlotBusyError`` if none is."""
+        rs = self._role(job, role)
+        free = self._free(rs, settled, exclude)
         if not free:
             raise SlotBusyError(
                 f"no free slot for {role} step {step}: a save is still being committed or copied to the durable tier; wait for it"
             )
         slot = free[0]
-        stale = [s for s, v in rs.versions.items() if v.path == slot]
-        for s in stale:  # the version this slot held is about to be overwritten
-            del rs.versions[s]
-        if stale:  # its sidecar stays until the commit replaces it: a rebuild adopts only the three newest
-            self.index.delete(*(version_key(job, role, s) for s in stale))
+        self._overwrite(rs, slot)
         rs.writing[slot] = step
         return slot
+
+    def reserve(self, job: str, role: str, exclude: AbstractSet[str] = frozenset()) -> tuple[str, bool] | None:
+        """A slot for the role's next save, whatever its step, handed out with a commit's reply,
+        and whether only a settled save may write it (it holds a version an unsettled one keeps);
+        None if there is none. The version the slot holds stays listed until a save is
+        committed there: the save is written later, when none can need it any more."""
+        rs = self._role(job, role)
+        for settled in (False, True):
+            free = self._free(rs, settled, exclude)
+            if free:
+                rs.writing[free[0]] = RESERVED
+                if settled:
+                    rs.settled_only.add(free[0])
+                return free[0], settled
+        return None
+
+    def _role(self, job: str, role: str) -> RoleState:
+        rs = self.roles.get((job, role))
+        if rs is None or not rs.paths:
+            raise NoSlotsError(f"role {role} of job {job} has no slots; send 'alloc' first")
+        return rs
+
+    def _free(self, rs: RoleState, settled: bool, exclude: AbstractSet[str]) -> list[str]:
+        """Slots a save may write, empty ones first, then the oldest version's."""
+        keep = {v.path for v in rs.newest(retention.kept_while_writing(self.versions, settled))}
+        order = {v.path: s for s, v in rs.versions.items()}
+        free = [p for p in rs.paths if p not in keep and p not in rs.writing and p not in exclude]
+        return sorted(free, key=lambda p: order.get(p, -1))
+
+    def _overwrite(self, rs: RoleState, slot: str) -> None:
+        """Forget the version ``slot`` holds: a save is about to be written over it."""
+        stale = rs.holding(slot)
+        for s in stale:
+            del rs.versions[s]
+        if stale:  # its sidecar stays until the commit replaces it: a rebuild adopts only the newest
+            self.index.delete(*(version_key(rs.job, rs.role, s) for s in stale))
 
     def abandon(self, job: str, role: str, slot: str) -> None:
         """The writer went away or gave up before committing: the slot is free again (it holds
@@ -231,6 +287,7 @@ class SlotStore:
         rs = self.roles.get((job, role))
         if rs is not None:
             rs.writing.pop(slot, None)
+            rs.settled_only.discard(slot)
 
     async def commit(
         self,
@@ -242,24 +299,30 @@ class SlotStore:
         header: dict[str, Any],
         save_block_s: float,
         reserved: bool = False,
+        settled: bool = False,
         static: str = "",
         static_header: dict[str, Any] | None = None,
     ) -> Version:
         """Checksum the slot and record ``step`` in it.
 
         ``reserved``: the writer took the slot from a commit reply; a restarted daemon, which
-        never handed it out, adopts it if it is one of the role's slots and holds nothing (the
-        writer copied into it before the restart). ``static``: the digest of the header's
+        never handed it out, adopts it if it is one of the role's slots and holds nothing a save
+        (``settled`` or not) keeps (the writer copied into it before the restart). ``static``: the digest of the header's
         static part (every key but the tree: tensors, storages, layout), which the writer sends
         (``static_header``) only when it changes; an unknown digest is refused with 428.
         """
         rs = self.roles.get((job, role))
         if rs is None:  # as for 'begin': a daemon that never had, or lost, this role's slots
             raise NoSlotsError(f"role {role} of job {job} has no slots here; send 'alloc' first")
-        if reserved and self._adoptable(rs, slot):
+        if reserved and self._adoptable(rs, slot, settled):
             rs.writing[slot] = RESERVED
         if rs.writing.get(slot) not in (step, RESERVED) or (rs.writing[slot] == RESERVED and not reserved):
             raise UnknownSlotError(f"commit of {role} step {step} to {slot} was not begun here")
+        if slot in rs.settled_only and not settled:
+            raise UnknownSlotError(f"commit of {role} step {step} to {slot}: that slot was reserved for a settled save")
+        rs.settled_only.discard(slot)
+        self._overwrite(rs, slot)  # a reserved slot's version is gone now
+        rs.settled = settled
         if not 0 <= nbytes <= rs.size:
             raise FFPlaneError(f"commit of {nbytes} bytes exceeds the slot size {rs.size}")
         if static and static_header is None and static not in rs.statics:
@@ -279,6 +342,8 @@ class SlotStore:
             )
         if static:
             header = {**rs.statics[static], **header}
+        # the daemon's word, not the writer's: it travels with the replica (``ReplicaStore.begin``)
+        header = {k: v for k, v in header.items() if k != "settled"} | ({"settled": True} if settled else {})
         version = Version(
             step, slot, nbytes, digest, header, time.time(), save_block_s, static=static, header_digest=header_digest(header, static)
         )
@@ -286,7 +351,10 @@ class SlotStore:
         # Versions above this step belong to a future the run rewound from (a restore to an
         # older step, a restarted job): they must not outrank what is saved now.
         kept = {*rs.versions, step}
-        stale = [s for s in kept if s > step] + sorted(s for s in kept if s <= step)[:-KEEP_VERSIONS]
+        # The rest stay until a save needs their slot (``begin``): as many as the role has slots,
+        # or needs (older ones, in slots given up for larger ones, at a change of size).
+        keep = max(len(rs.paths), retention.files(self.versions, settled))
+        stale = [s for s in kept if s > step] + sorted(s for s in kept if s <= step)[:-keep]
         recorded = time.perf_counter()
         entry = encode(version.index_entry())  # once, for the index and the sidecar
         # The sidecar (what a rebuild of a lost index adopts, after verifying it) comes before the
@@ -333,7 +401,7 @@ class SlotStore:
         except (OSError, lmdb.Error) as exc:
             if not _no_room(exc):
                 raise
-            rs.writing.pop(slot, None)
+            self.abandon(rs.job, rs.role, slot)
             raise shm.no_room(what, size, self.root, exc) from exc
 
     def _forget_statics(self, rs: RoleState) -> None:
@@ -349,9 +417,8 @@ class SlotStore:
     def _static_file(self, job: str, role: str, digest: str) -> Path:
         return self.root / job / "state" / role / f"static-{digest}"
 
-    @staticmethod
-    def _adoptable(rs: RoleState, slot: str) -> bool:
-        return slot in rs.paths and slot not in rs.writing and all(v.path != slot for v in rs.versions.values())
+    def _adoptable(self, rs: RoleState, slot: str, settled: bool) -> bool:
+        return slot in self._free(rs, settled, frozenset())
 
     def drop(self, job: str, role: str, step: int) -> None:
         """Forget a committed version that failed its checksum: the slot holds nothing any more
@@ -395,10 +462,12 @@ class SlotStore:
             log.warning("corrupt shard: trying an older step", extra={"job": job, "step": step})
         return None, {}
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self, replicated: bool = True) -> list[dict[str, Any]]:
+        """Every local role: its slots, versions and what its copies take and survive
+        (``replicated``: whether commits go to a ring successor)."""
         out = []
         for rs in self.roles.values():
-            newest = rs.newest()
+            newest = rs.newest(len(rs.versions))
             header = newest[0].header if newest else {}
             out.append(
                 {
@@ -409,8 +478,7 @@ class SlotStore:
                     "writing": sorted(s for s in rs.writing.values() if s != RESERVED),
                     "reserved": sum(1 for s in rs.writing.values() if s == RESERVED),
                     "unique_bytes": header.get("unique_nbytes"),
-                    # shared memory this role takes: its slots here, its replica files on the ring successor
-                    "memory": {"here_bytes": len(rs.paths) * rs.size, "successor_bytes": SUCCESSOR_FILES * rs.size},
+                    "memory": self._memory(rs, newest[0].nbytes if newest else rs.size, replicated),
                     "razored_bytes": newest[0].nbytes if newest else None,
                     "versions": [
                         {
@@ -428,6 +496,21 @@ class SlotStore:
                 }
             )
         return out
+
+    def _memory(self, rs: RoleState, shard: int, replicated: bool) -> dict[str, Any]:
+        """Shared memory the role takes: its slots here, and (by the rule its successor keeps,
+        ``statestore.retention``) its replica files there; as a multiple of its razored shard."""
+        settled = rs.settled is not False  # a role that has not saved yet is counted as settling
+        here = len(rs.paths) * rs.size
+        successor = retention.files(self.versions, settled) * rs.size if replicated else 0
+        return {
+            "here_bytes": here,
+            "successor_bytes": successor,
+            "shard_bytes": shard,
+            "multiple": round((here + successor) / max(shard, 1), 3),
+            "settled": rs.settled,
+            "survives": retention.survives(replicated, settled),
+        }
 
 
 def _static_intact(key: str, static: dict[str, Any], digest: str) -> bool:

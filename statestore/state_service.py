@@ -17,7 +17,7 @@ import aiohttp
 
 from ffplane_contract import durable
 from ffplane_contract.auth import bearer
-from ffplane_contract.errors import CorruptError, FFPlaneError, NotFoundError, UnavailableError
+from ffplane_contract.errors import CorruptError, FFPlaneError, NotFoundError, SlotBusyError, UnavailableError
 from ffplane_contract.restorable import Layouts, whole_steps
 from ffplane_contract.shard import layout_roles
 from statestore.dataservers import DataServers
@@ -81,14 +81,35 @@ class StateService:
         self._pulls: dict[tuple[str, str, int], asyncio.Future[LocalShard]] = {}
         self.latencies = latencies or Latencies()
 
-    def begin(self, job: str, role: str, step: int) -> str:
-        # a slot still being copied to the durable tier must not be overwritten
-        return self.slots.begin(job, role, step, exclude=set(self._pinned))
+    async def begin(self, job: str, role: str, step: int, settled: bool) -> str:
+        """A slot for ``step``; a role whose save cannot overwrite any slot it has (not settled,
+        or a durable copy holds the one it would take) is given one more, once."""
+        settled = self.settles(settled)
+        pinned = set(self._pinned)  # a slot still being copied to the durable tier must not be overwritten
+        try:
+            return self.slots.begin(job, role, step, settled, exclude=pinned)
+        except SlotBusyError:
+            rs = self.slots.roles[(job, role)]
+            if any(p in rs.writing for p in rs.paths if p not in pinned):
+                raise  # a save of this role is in progress: the writer waits for it
+            why = "its saves are not settled (see trainer_client.settle_all)" if not settled else "a durable copy holds a slot"
+            await self.slots.grow(job, role, why)
+            return self.slots.begin(job, role, step, settled, exclude=pinned)
+
+    def reserve(self, job: str, role: str) -> tuple[str, bool] | None:
+        """The slot for the role's next save, handed out with a commit's reply (see ``SlotStore.reserve``)."""
+        return self.slots.reserve(job, role, exclude=set(self._pinned))
+
+    def settles(self, settled: bool) -> bool:
+        """Whether a save the writer says is settled proves what it should: only if commit
+        answers wait for their replica (``--replica-max-lag`` above 0), or nothing replicates."""
+        return settled and (self.replicator is None or self.replicator.max_lag > 0)
 
     async def commit(
         self, job: str, role: str, step: int, slot: str, nbytes: int, header: dict[str, Any], save_block_s: float, **how: Any
     ) -> Version:
         """Commit ``step`` (``how``: ``SlotStore.commit``'s reservation and static-header options)."""
+        how["settled"] = self.settles(how.get("settled", False))
         version = await self.slots.commit(job, role, step, slot, nbytes, header, save_block_s, **how)
         self.latencies.save_block.observe(version.save_block_s)
         self.latencies.commit.observe(version.commit_s)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
         UnavailableError,
     )
     from trainer_client.batches import Batch
-    from trainer_client.checkpointer import Checkpointer, Restored
+    from trainer_client.checkpointer import Checkpointer, Restored, settle_all
     from trainer_client.dataloader import DataLoader
     from trainer_client.link_hints import LinkHints
     from trainer_client.razor import Layout
@@ -49,6 +49,7 @@ _HOME = {
     "TransportError": "ffplane_contract.errors",
     "UnauthorisedError": "ffplane_contract.errors",
     "UnavailableError": "ffplane_contract.errors",
+    "settle_all": "trainer_client.checkpointer",
 }
 __all__ = sorted(_HOME)
 

@@ -57,7 +57,8 @@ class _Slot:
     def __init__(self, path: str) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size, self.file = st.st_size, (st.st_dev, st.st_ino)
             self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -66,6 +67,15 @@ class _Slot:
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned: Registration | None = None  # registered for CUDA copies on the first one
         self.copies: KeptCopies | None = None  # the last save's into this slot; views this mapping, goes with it
+
+    def same_file(self) -> bool:
+        """Whether ``path`` is still the file mapped (a daemon that came back empty makes new
+        files of the same names: bytes copied into the old mapping would reach none of them)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.file
 
     def pin(self) -> None:
         if self.pinned is None:
@@ -138,15 +148,16 @@ class CommitPipeline:
         with self._lock:
             return self._collect(block)
 
-    def take_slot(self, step: int, nbytes: int) -> tuple[proto.Grant, bool, _Slot]:
+    def take_slot(self, step: int, nbytes: int, settled: bool) -> tuple[proto.Grant, bool, _Slot]:
         """A slot of at least ``nbytes`` for ``step``, whether the last commit reply reserved it
-        (else ``Begin`` granted it now), and its mapping."""
+        (else ``Begin`` granted it now), and its mapping. ``settled``: as ``Commit.settled``; a
+        reserved slot that holds an older version is taken only by a settled save."""
         if nbytes > self._slot_size or not self._slots:
             self._allocate(nbytes)
         slot, self._reserved = self._reserved, None
-        reserved = slot is not None and slot.path in self._slots
+        reserved = slot is not None and slot.path in self._slots and (settled or not slot.settled_only)
         if slot is None or not reserved:
-            slot = self._begin_slot(step, nbytes)
+            slot = self._begin_slot(step, nbytes, settled)  # the daemon takes back the reservation
         return slot, reserved, self._slots[slot.path]
 
     def forget_copies(self, generation: int) -> None:
@@ -168,14 +179,14 @@ class CommitPipeline:
         except FFPlaneError:
             pass  # the daemon forgot it anyway (restarted)
 
-    def _begin_slot(self, step: int, nbytes: int) -> proto.Grant:
+    def _begin_slot(self, step: int, nbytes: int, settled: bool) -> proto.Grant:
         """A slot for ``step`` when no commit reply reserved one (the first save, a busy slot)."""
         try:
-            grant = self._begin(step)
+            grant = self._begin(step, settled)
         except NoSlotsError:
             self._allocate(nbytes)  # the daemon lost our slots (a new node, a wiped tmpfs)
-            grant = self._begin(step)
-        if grant.path not in self._slots:
+            grant = self._begin(step, settled)
+        if grant.path not in self._slots:  # a slot more (an unsettled save), or new slots
             self._allocate(nbytes)
         return grant
 
@@ -185,16 +196,18 @@ class CommitPipeline:
             self.abort(reserved)
         reply: proto.AllocReply = self.call(proto.Alloc(self.job, self.role, nbytes))
         self.commit_wait_s = reply.commit_wait_s
+        # a slot more: the others stay mapped (if they are still the files of those names)
+        kept = {p: self._slots.pop(p) for p in reply.paths if p in self._slots and self._slots[p].same_file()}
         for s in self._slots.values():
             s.close()
-        self._slots = {p: _Slot(p) for p in reply.paths}
+        self._slots = {p: kept.get(p) or _Slot(p) for p in reply.paths}
         self._slot_size = min(s.mm.size() for s in self._slots.values())
 
-    def _begin(self, step: int) -> proto.Grant:
+    def _begin(self, step: int, settled: bool) -> proto.Grant:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                grant: proto.Grant = self.call(proto.Begin(self.job, self.role, step))
+                grant: proto.Grant = self.call(proto.Begin(self.job, self.role, step, settled))
                 return grant
             except SlotBusyError:  # a durable copy still holds the free slot
                 if time.monotonic() > deadline:
@@ -203,7 +216,15 @@ class CommitPipeline:
 
     # --- commits -------------------------------------------------------------------------
     def post(
-        self, step: int, slot: proto.Grant, reserved: bool, nbytes: int, tree_json: str, static: dict[str, Any], save_block_s: float
+        self,
+        step: int,
+        slot: proto.Grant,
+        reserved: bool,
+        nbytes: int,
+        tree_json: str,
+        static: dict[str, Any],
+        save_block_s: float,
+        settled: bool = False,
     ) -> None:
         """Send the commit without waiting for it: the daemon checksums and records the slot
         while training goes on. The header's static part (tensors, storages, layout) goes only
@@ -225,6 +246,7 @@ class CommitPipeline:
                 reserved,
                 self._static_digest,
                 sent_static,
+                settled,
             )
             self._pending = msg
             try:

@@ -54,12 +54,16 @@ _open: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # for settle_all (the 
 
 
 def settle_all() -> None:
-    """Wait until every open Checkpointer's last save is committed and replicated. The DDP comm
-    hook calls it before a step's first all-reduce: a node cannot finish step T's all-reduce
-    (letting the other ranks commit T) until its own step T-1 has a replica on the next node,
-    so losing it costs at most one step."""
+    """Wait until every open Checkpointer's last save is committed and replicated. Call it on
+    every rank before a step's first collective (the DDP comm hook does, before the all-reduce;
+    an FSDP2 loop before ``backward``): a node cannot finish step T's collective (letting the
+    other ranks save T) until its own last save has a replica on the next node, so losing it
+    costs at most one step. The next save then says it is *settled*: no role can need a version
+    older than its newest any more, and the daemons keep two copies of each role's shard where
+    they would keep three (``statestore.retention``)."""
     for ckpt in list(_open):
         ckpt.settle()
+        ckpt._settled = True
 
 
 class Checkpointer:
@@ -102,6 +106,8 @@ class Checkpointer:
         self._layout_fields = {"role": self.role, "layout": asdict(self.layout), "layout_roles": self.layout.all_roles()}
         self.last_save_block_s = 0.0
         self.saves = self.skipped = 0
+        self._settled = False  # settle_all() ran since the last save (see there)
+        self._alone = self.layout.dp * self.layout.pp * self.layout.tp == 1
         # Which run segment this state belongs to: 0 for a fresh job, then a hash of the restored
         # segment and step. Saves of a segment the job rewound from (a role that committed a step
         # the others never reached) carry another value, so a restore never mixes the two.
@@ -139,6 +145,8 @@ class Checkpointer:
             self.skipped += 1
             return False
         self._commits.raise_failed()
+        # one role alone has no other to wait for: its previous save is answered (just above)
+        settled, self._settled = self._settled or self._alone, False
         if self.saves == 0 and self.layout.dp > 1 and _replicated_keys(state, self.private_keys):
             # per-rank state saved as replicated would come back as another rank's
             check_replicated(state, self.private_keys, self.layout, _group())
@@ -165,7 +173,7 @@ class Checkpointer:
                 if clash := sorted(header.keys() & static.keys()):
                     raise ValueError(f"Checkpointer.save: header fields {clash} are ffplane's own")
                 static |= header
-            slot, reserved, mapped = self._commits.take_slot(step, nbytes)
+            slot, reserved, mapped = self._commits.take_slot(step, nbytes, settled)
             try:
                 copies = self._pairs(mapped, enc, lo, hi, private)
                 if copies.on_device:
@@ -184,7 +192,7 @@ class Checkpointer:
                 raise
             if not self.overlapped:
                 self.last_save_block_s = time.perf_counter() - started
-            self._commits.post(step, slot, reserved, nbytes, enc.tree_json(), static, self.last_save_block_s)
+            self._commits.post(step, slot, reserved, nbytes, enc.tree_json(), static, self.last_save_block_s, settled)
 
         if self.overlapped:
             self.last_save_block_s = time.perf_counter() - started  # the copies queued, not done

@@ -12,7 +12,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ffplane_contract.errors import UnavailableError
 from ffplane_contract.warm import readiness
+from statestore.replicas import ReplicaStore
 from statestore.routes._node import NodeDep
+from statestore.slots import SlotStore
 
 __all__ = ["router"]
 
@@ -72,8 +74,11 @@ def state(node: NodeDep) -> dict[str, Any]:
         "durable_written": service.durable_written,
         "node_id": config.node_id,
         "coordinator": node.heartbeat.view,
-        "roles": slots.describe(),
+        "versions": config.versions,
+        "held": _held(slots, replicas, service.replicator is not None),
+        "roles": slots.describe(replicated=service.replicator is not None),
         "replicas": replicas.describe(),
+        "replica_memory": replicas.memory(),
         "replication": service.replicator.describe() if service.replicator else None,
         "pulled_bytes": service.pulled_bytes,
         "restores_behind": service.restores_behind,
@@ -85,6 +90,20 @@ def state(node: NodeDep) -> dict[str, Any]:
             "received_bytes": replicas.received_bytes,
             "reused_files": replicas.reused_files,
         },
+    }
+
+
+def _held(slots: SlotStore, replicas: ReplicaStore, replicated: bool) -> dict[str, Any]:
+    """What this node holds of checkpoints, as a multiple of its own roles' shards."""
+    roles = slots.describe(replicated)
+    shards = sum(r["memory"]["shard_bytes"] for r in roles)
+    here, held = slots.slot_bytes(), replicas.held_bytes()
+    return {
+        "slots_bytes": here,
+        "replicas_bytes": held,
+        "shard_bytes": shards,
+        "multiple": round((here + held) / shards, 3) if shards else None,
+        "survives": sorted({r["memory"]["survives"] for r in roles}),
     }
 
 

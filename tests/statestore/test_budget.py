@@ -22,13 +22,13 @@ def test_slots_and_replicas_given_one_ledger_never_hold_more_than_it(shm_root: P
     budget = Budget(10 * MIB)
     slots, replicas = SlotStore(shm_root, index, budget), ReplicaStore(shm_root, index, budget)
     try:
-        asyncio.run(slots.alloc("job", "dp0-pp0-tp0", MIB))  # 4 slots of 1 MiB
-        assert budget.describe() == {"slots_bytes": 4 * MIB, "replicas_bytes": 0, "free_bytes": 6 * MIB}
-        replicas.begin("job", "dp1-pp0-tp0", 1, 5 * MIB, "c", {"layout_roles": ["dp1-pp0-tp0"]}, "n1")
+        asyncio.run(slots.alloc("job", "dp0-pp0-tp0", MIB))  # 2 slots of 1 MiB (--versions 2)
+        assert budget.describe() == {"slots_bytes": 2 * MIB, "replicas_bytes": 0, "free_bytes": 8 * MIB}
+        replicas.begin("job", "dp1-pp0-tp0", 1, 7 * MIB, "c", {"layout_roles": ["dp1-pp0-tp0"]}, "n1")
         assert budget.free() == MIB
         with pytest.raises(CapacityError, match="1.0 MiB of the daemon's budget left"):  # fits 10 MiB alone, not beside the slots
             replicas.begin("job", "dp2-pp0-tp0", 1, 2 * MIB, "c", {"layout_roles": ["dp2-pp0-tp0"]}, "n1")
-        with pytest.raises(CapacityError, match="needs 4 slots"):  # nor slots beside the replica
+        with pytest.raises(CapacityError, match="needs 2 slots"):  # nor slots beside the replica
             asyncio.run(slots.alloc("job", "dp3-pp0-tp0", MIB))
     finally:
         replicas.close()

@@ -20,6 +20,7 @@ from statestore.transport.bulk_wire import REPLY_HEAD_SIZE, BulkHead, BulkMeta, 
 from tests._servers import TOKEN, until
 from tests.statestore.conftest import daemon_state, start_ring
 from trainer_client import Checkpointer
+from trainer_client.checkpointer import settle_all
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 DATA = bytes(range(256)) * 1024
@@ -177,27 +178,39 @@ def test_what_is_not_ours_is_answered_then_cut_off(cluster: LocalCluster, token:
     assert daemon_state(cluster, 0)["transfer"]["bulk_refused"] == 1
 
 
-def test_a_roles_replica_files_are_reused_and_hold_its_bytes(cluster: LocalCluster) -> None:
-    """Every commit of node 0 goes to node 1 over the bulk port; from the fourth on, each lands in
-    the file of the version it retired (pages allocated and mapped already), bitwise."""
+@pytest.mark.parametrize("settled", [True, False], ids=["settled", "unsettled"])
+def test_a_roles_replica_files_are_reused_and_hold_its_bytes(cluster: LocalCluster, settled: bool) -> None:
+    """Every commit of node 0 goes to node 1 over the bulk port; once the role has its files,
+    each push lands in the file of the version it retires (pages allocated and mapped already),
+    bitwise. Settled saves keep two copies on each node (4x the shard in all), unsettled three."""
     _ring_of_two(cluster)
     ck = Checkpointer("job", socket_path=cluster.socket(0))
     try:
         for step in range(8):
+            if settled:
+                settle_all()  # as the DDP comm hook does before a step's all-reduce
             ck.save(step, {"w": torch.randn(512, 300, generator=torch.Generator().manual_seed(step))})
         ck.wait()
     finally:
         ck.close()
     until(lambda: daemon_state(cluster, 1)["transfer"]["bulk_pushes_received"] >= 8, what="eight pushes on the bulk port")
     got = daemon_state(cluster, 1)
-    assert got["transfer"]["reused_files"] >= 5  # the first three found no spare
+    files = 2 if settled else 3
+    assert got["transfer"]["reused_files"] >= 8 - files  # the first ones found no file to reuse
     primary = {v["step"]: v for v in daemon_state(cluster, 0)["roles"][0]["versions"]}
+    assert sorted(primary) == list(range(8 - files, 8)) and sorted(r["step"] for r in got["replicas"]) == sorted(primary)
     for r in got["replicas"]:
         slot = (cluster.roots[0] / primary[r["step"]]["slot"]).read_bytes()[: r["nbytes"]]
         held = Path(cluster.roots[1] / "job" / "replica" / r["role"] / f"{r['step']:012d}.bin").read_bytes()
         assert held == slot and r["checksum"] == xxhash.xxh3_64_hexdigest(held)
     (role,) = daemon_state(cluster, 0)["roles"]
-    assert role["memory"] == {"here_bytes": 4 * role["slot_bytes"], "successor_bytes": 3 * role["slot_bytes"]}
+    shard = role["razored_bytes"]
+    assert role["slots"] == files and role["memory"]["settled"] is settled
+    assert role["memory"]["here_bytes"] == role["memory"]["successor_bytes"] == files * role["slot_bytes"]
+    (replica,) = got["replica_memory"]
+    assert replica["files"] == files and replica["bytes"] == files * shard  # measured there, not by the rule
+    assert daemon_state(cluster, 0)["held"]["multiple"] == pytest.approx(files * role["slot_bytes"] / shard, abs=1e-3)
+    assert role["memory"]["multiple"] == pytest.approx(2 * files * role["slot_bytes"] / shard, abs=1e-3)
 
 
 def test_a_daemon_without_a_bulk_port_takes_pushes_over_http(cluster: LocalCluster) -> None:

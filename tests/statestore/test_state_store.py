@@ -14,6 +14,7 @@ import torch
 from tests._servers import TOKEN, Proc
 from tests.statestore.conftest import SharedNode
 from trainer_client import CapacityError, Checkpointer, Layout
+from trainer_client.checkpointer import settle_all
 
 
 def _state(step: int, seed: int = 0) -> dict[str, object]:
@@ -140,8 +141,8 @@ def test_daemon_sigkilled_and_restarted_serves_every_committed_version(start_dae
 def test_state_that_cannot_fit_fails_at_the_first_save(start_daemon: Callable[..., Proc], shm_root: Path) -> None:
     start_daemon()  # 256 MiB budget (see conftest)
     ck = Checkpointer("job", socket_path=shm_root / "daemon.sock")
-    with pytest.raises(CapacityError, match=r"needs 4 slots x 96.0 MiB .* raise the daemon's --budget-mb"):
-        ck.save(0, {"w": torch.zeros(24 << 20)})  # 96 MiB x 4 slots > 256 MiB
+    with pytest.raises(CapacityError, match=r"needs 2 slots x 160.0 MiB .* raise the daemon's --budget-mb"):
+        ck.save(0, {"w": torch.zeros(40 << 20)})  # 160 MiB x 2 slots > 256 MiB
     ck.close()
     assert not list((shm_root / "job" / "state").rglob("*.bin")) if (shm_root / "job" / "state").exists() else True
 
@@ -238,7 +239,7 @@ def test_failures_do_not_poison_later_saves_or_restores(
     sock = shm_root / "daemon.sock"
     too_big = Checkpointer("ok", Layout(dp=1), socket_path=sock)
     with pytest.raises(CapacityError):
-        too_big.save(0, {"w": torch.zeros(32 << 20)})  # a refused allocation leaves no phantom role
+        too_big.save(0, {"w": torch.zeros(40 << 20)})  # a refused allocation leaves no phantom role
     too_big.close()
     ck = Checkpointer("ok", socket_path=sock)
     for step in (1, 2):
@@ -364,9 +365,11 @@ def test_a_live_checkpointer_carries_on_when_its_daemon_comes_back_empty(start_d
     daemon = start_daemon()
     sock = shm_root / "daemon.sock"
     ck = Checkpointer("job", socket_path=sock)
-    ck.save(1, _state(1))
-    ck.save(2, _state(2))
+    for step in (1, 2):
+        settle_all()  # settled saves: the next one takes the slot reserved with the last commit
+        ck.save(step, _state(step))
     ck.wait()
+    settle_all()
     daemon.kill(signal.SIGKILL)
     for child in shm_root.iterdir():  # everything the daemon had: slots, index, socket
         shutil.rmtree(child) if child.is_dir() else child.unlink()

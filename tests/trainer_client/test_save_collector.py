@@ -61,7 +61,7 @@ def test_steady_saves_reuse_the_last_header_and_copy_list_and_a_replaced_tensor_
         slots = ckpt._commits._slots
         lists = {path: s.copies.pairs for path, s in slots.items() if s.copies is not None}
         entries = list(ckpt._encoded.tensors) if ckpt._encoded else []
-        assert len(lists) == len(slots) == 4
+        assert len(lists) == len(slots) == 2  # one role: its saves are settled
         for step in range(6, 10):
             ckpt.save(step, state)
             ckpt.wait()
