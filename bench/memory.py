@@ -26,6 +26,7 @@ SIGKILLed, shared memory wiped, a replacement started — then both ranks restor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,18 +136,23 @@ def _allocated(path: Path) -> int:
     return total
 
 
+@contextlib.contextmanager
+def _cluster(work: Path) -> Iterator[Any]:
+    from ffplane_harness.local_cluster import LocalCluster
+
+    (work / "data").mkdir()
+    with LocalCluster(work, work / "data", secrets.token_hex(16)) as c:
+        c.start_dataserver()
+        yield c
+
+
 def _trial(config: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
     from bench._common import cpu_s
-    from ffplane_harness.local_cluster import LocalCluster
 
     row, extra = config["row"], _DAEMON_ARGS[config["row"]]
-    with (
-        tempfile.TemporaryDirectory(prefix="ffplane-memory-") as tmp,
-        LocalCluster(Path(tmp), Path(tmp) / "data", secrets.token_hex(16)) as c,
-    ):
-        c.start_dataserver()
+    with tempfile.TemporaryDirectory(prefix="ffplane-memory-") as tmp, _cluster(Path(tmp)) as c:
         for _ in range(WORLD):
             c.start_daemon(*extra, budget_mb=config["budget_mb"])
         for i in range(WORLD):

@@ -37,10 +37,18 @@ class _Version(_Part):
     committed_at: FiniteFloat | None = None
 
 
+class _Memory(_Part):  # what a role's copies take (statestore.slots: memory)
+    here_bytes: FiniteFloat = Field(ge=0)
+    successor_bytes: FiniteFloat = Field(ge=0)
+    multiple: FiniteFloat = Field(ge=0)
+    survives: StrictStr
+
+
 class _Role(_Part):
     job: StrictStr
     role: StrictStr
     versions: list[_Version] = []
+    memory: _Memory | None = None
 
 
 class _Replica(_Part):
@@ -49,10 +57,18 @@ class _Replica(_Part):
     kind: StrictStr | None = None
 
 
+class _Held(_Part):  # what a node holds of checkpoints (statestore.routes.ops: held)
+    slots_bytes: FiniteFloat = Field(ge=0)
+    replicas_bytes: FiniteFloat = Field(ge=0)
+    multiple: FiniteFloat | None = Field(default=None, ge=0)
+    survives: list[StrictStr] = []
+
+
 class _State(_Part):
     roles: list[_Role] = []
     replicas: list[_Replica] = []
     slot_bytes: FiniteFloat = 0
+    held: _Held | None = None
 
 
 class _Cache(_Part):

@@ -28,7 +28,7 @@ STATUS_PAGE = """<!doctype html>
 <div id="meta" class="muted">loading&hellip;</div>
 <div id="error" class="dead"></div>
 <h2>Nodes</h2>
-<table id="nodes"><thead><tr><th>node</th><th>state</th><th>address</th><th>roles (newest committed step)</th><th>replicas held</th><th>cache</th><th>link gate</th></tr></thead><tbody></tbody></table>
+<table id="nodes"><thead><tr><th>node</th><th>state</th><th>address</th><th>roles (newest committed step)</th><th>replicas held</th><th>checkpoints held</th><th>cache</th><th>link gate</th></tr></thead><tbody></tbody></table>
 <h2>Ring</h2><ol id="ring"></ol>
 <h2>Jobs</h2><div id="jobs"></div>
 <h2>Recent failures</h2>
@@ -53,18 +53,26 @@ function draw(c) {
     const replicas = new Set((st.replicas || []).filter((r) => r.kind !== "incoming").map((r) => r.job + "/" + r.role)).size;
     const fill = cache.budget_bytes ? Math.min(100, 100 * (cache.bytes + (st.slot_bytes || 0)) / cache.budget_bytes) : 0;
     const cacheCell = cache.budget_bytes ? '<span class=bar><span style="width:' + fill.toFixed(0) + '%"></span></span>' + mib(cache.bytes) + " cache, " + mib(st.slot_bytes || 0) + " slots / " + mib(cache.budget_bytes) : "-";
+    const held = st.held || {};  // slots and replica files here, as a multiple of this node's roles' shards
+    const heldCell = typeof held.slots_bytes === "number" ? mib(held.slots_bytes + (held.replicas_bytes || 0)) +
+      (typeof held.multiple === "number" ? " = " + held.multiple.toFixed(2) + "x its shards" : "") +
+      (held.survives || []).map((w) => "<br><span class=muted>" + esc(w) + "</span>").join("") : "-";
     const gateCell = gate.open === undefined ? "-" : (gate.open ? "<span class=alive>open</span>" : "<span class=closed>closed: " + esc(gate.closed_because) + "</span>");
-    return row([esc(id), stateCell, "<code>" + esc(m.address) + "</code>", roles, m.alive && d.state ? replicas : "-", cacheCell, gateCell]);
+    return row([esc(id), stateCell, "<code>" + esc(m.address) + "</code>", roles, m.alive && d.state ? replicas : "-", heldCell, cacheCell, gateCell]);
   });
   document.querySelector("#nodes tbody").innerHTML = nodes.join("");
   document.getElementById("ring").innerHTML = c.ring.map((n) => "<li>" + esc(n) + "</li>").join("") || "<span class=muted>empty</span>";
+  const memory = {};  // job/role → what its copies take, from the daemon it saves on
+  Object.values(c.daemons).forEach((d) => ((d.state || {}).roles || []).forEach((r) => { memory[r.job + "/" + r.role] = r.memory; }));
   document.getElementById("jobs").innerHTML = Object.entries(c.jobs).map(([job, j]) => {
     const roles = Object.entries(j.shard_locations || {}).map(([role, steps]) => {
       const newest = Object.entries(steps).sort((a, b) => b[0] - a[0]).slice(0, 2);
-      return row([esc(role), newest.map(([s, nodes]) => "step " + esc(s) + ": " + nodes.map(esc).join(", ")).join("<br>")]);
+      const m = memory[job + "/" + role];
+      const mem = m && typeof m.multiple === "number" ? m.multiple.toFixed(2) + "x the shard (" + mib(m.here_bytes) + " here, " + mib(m.successor_bytes) + " on its successor)<br><span class=muted>" + esc(m.survives) + "</span>" : "<span class=muted>-</span>";
+      return row([esc(role), newest.map(([s, nodes]) => "step " + esc(s) + ": " + nodes.map(esc).join(", ")).join("<br>"), mem]);
     });
     return "<h3>" + esc(job) + ' <span class=muted>restorable step <b class=restorable data-job="' + esc(job) + '">' + esc(j.restorable_step ?? "none") + "</b>, newest committed " + esc(j.committed_step ?? "none") + "</span></h3>" +
-      "<table><thead><tr><th>role</th><th>copies (step: nodes holding a primary or a replica)</th></tr></thead><tbody>" + roles.join("") + "</tbody></table>";
+      "<table><thead><tr><th>role</th><th>copies (step: nodes holding a primary or a replica)</th><th>host memory</th></tr></thead><tbody>" + roles.join("") + "</tbody></table>";
   }).join("") || "<span class=muted>no jobs</span>";
   document.querySelector("#failures tbody").innerHTML = c.failures.map((f) => row([
     new Date(f.at * 1000).toLocaleTimeString(), esc(f.kind), esc(f.node), esc((f.job || "") + (f.worker !== undefined && f.worker !== null ? " / " + f.worker : "")),

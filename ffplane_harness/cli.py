@@ -84,7 +84,8 @@ def _known(client: Any, method: str, name: str) -> Any:
 def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
     """``GET /v1/cluster`` as tables: nodes (ring order), each job's roles, recent failures."""
     ring = c["ring"]
-    rows = [("NODE", "STATE", "ADDRESS", "ROLES (newest step)", "REPLICAS", "CACHE", "GATE", "WARM")]
+    rows = [("NODE", "STATE", "ADDRESS", "ROLES (newest step)", "REPLICAS", "CHECKPOINTS", "CACHE", "GATE", "WARM")]
+    memory: dict[tuple[str, str], dict[str, Any]] = {}  # (job, role) → what its copies take, from its daemon
     unreadable: list[str] = []
     order = sorted(c["members"], key=lambda n: (n not in ring, ring.index(n) if n in ring else 0, n))
     for node in order:
@@ -96,12 +97,16 @@ def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
             if only_job in (None, r["job"])
         )
         replicas = len({(r["job"], r["role"]) for r in state.get("replicas", []) if r.get("kind") != "incoming"})
+        memory |= {(r["job"], r["role"]): r["memory"] for r in state.get("roles", []) if r.get("memory")}
         used = f"{cache['bytes'] / 2**20:.0f}/{cache['budget_bytes'] / 2**20:.0f} MiB" if "bytes" in cache else "-"
         gate_s = ("open" if gate["open"] else f"closed: {gate.get('closed_because')}") if "open" in gate else "-"
         alive = "alive" if m["alive"] else ("unreachable" if m.get("unreachable") else "dead")
         if "unreadable" in d:  # its answer was odd: the reason goes below the table
             alive, unreadable = "unreadable", [*unreadable, f"{node}: {d['unreadable']}"]
-        rows.append((node, alive, m["address"], roles or "-", str(replicas) if state else "-", used, gate_s, _warm(state.get("warm"))))
+        held = _held(state.get("held"))
+        rows.append(
+            (node, alive, m["address"], roles or "-", str(replicas) if state else "-", held, used, gate_s, _warm(state.get("warm")))
+        )
     out = [f"coordinator {c['leader']}", _table(rows)]
     if unreadable:
         out += ["\nunreadable daemons (alive, but their answer could not be read)", *unreadable]
@@ -112,10 +117,16 @@ def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
         restorable_s = "nothing restorable yet" if restorable is None else f"restorable step {restorable}"
         committed_s = "nothing committed yet" if committed is None else f"newest committed {committed}"
         out.append(f"\njob {name}: {restorable_s}, {committed_s}")
-        role_rows = [("ROLE", "STEP: NODES WITH A COPY")]
+        role_rows = [("ROLE", "STEP: NODES WITH A COPY", "HOST MEMORY (here + successor)", "SURVIVES")]
         for role, steps in sorted((j.get("shard_locations") or {}).items()):
             newest = sorted(steps.items(), key=lambda kv: -int(kv[0]))[:2]
-            role_rows.append((role, "; ".join(f"{step}: {', '.join(nodes)}" for step, nodes in newest)))
+            mem = memory.get((name, role))
+            copies = "; ".join(f"{step}: {', '.join(nodes)}" for step, nodes in newest)
+            if mem is None:
+                role_rows.append((role, copies, "-", "-"))
+            else:
+                taken = f"{mem['multiple']:.2f}x ({_mib(mem['here_bytes'])} + {_mib(mem['successor_bytes'])})"
+                role_rows.append((role, copies, taken, mem["survives"]))
         out.append(_table(role_rows))
     failures = [("WHEN", "WHAT", "NODE", "JOB", "RECOVERED AFTER")]
     for f in c.get("failures", []):
@@ -125,6 +136,19 @@ def render_status(c: dict[str, Any], only_job: str | None = None) -> str:
     if len(failures) > 1:
         out += ["\nrecent failures", _table(failures)]
     return "\n".join(out)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def _held(held: Any) -> str:
+    """What a node holds of checkpoints: slots and replica files, and their multiple of the
+    shards of the roles saving there."""
+    if not isinstance(held, dict) or "slots_bytes" not in held:
+        return "-"
+    multiple = f" = {held['multiple']:.2f}x" if isinstance(held.get("multiple"), (int, float)) else ""
+    return _mib(held["slots_bytes"] + held.get("replicas_bytes", 0)) + multiple
 
 
 def _warm(warm: Any) -> str:

@@ -39,6 +39,10 @@ class Peer:
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
 
+    def before_step(self) -> None:
+        """Called before a training step's collectives (ffplane settles its last save there,
+        as its DDP comm hook does)."""
+
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Checkpoint ``state`` as step ``step``; returns when the training loop may go on."""
         raise NotImplementedError

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from bench._peers import Ctx, Peer
 from bench._peers.states import leaves
-from trainer_client import Checkpointer, Layout
+from trainer_client import Checkpointer, Layout, settle_all
 from trainer_client.dcp import DaemonReader, DaemonWriter
 
 
@@ -34,6 +34,9 @@ class _Daemon(Peer):
     a complete replica (its ``/v1/state``)."""
 
     replicates = True
+
+    def before_step(self) -> None:
+        settle_all()  # the last save answered before the step's collective: two copies a side, not three
 
     def _replica_on_peer(self, role: str | None, step: int) -> bool:
         """Whether the next node holds a complete replica of ``step`` (of ``role``; None: any)."""

@@ -150,8 +150,11 @@ def save(config: dict[str, Any]) -> None:
     anon0 = _anon(mine + extra)
 
     def one(n: int, timed: bool) -> float:
+        p.before_step()
         t0 = time.perf_counter()
         state.step(n)
+        if not state.replicated:
+            dist.all_reduce(torch.zeros(1))  # a stamp-only step has no collective of its own; a real one has many
         compute_s = time.perf_counter() - t0
         c0 = time.thread_time()
         if not overlap:

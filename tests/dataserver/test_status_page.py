@@ -68,9 +68,24 @@ def test_the_status_page_shows_the_cluster_in_a_browser(cluster_with_history: Lo
     assert "page/dp0-pp0-tp0 @3" in dom  # n0's role and its newest committed step
     assert 'data-job="page">3</b>' in dom  # the job's restorable step
     assert "<td>node lost</td><td>n1</td>" in dom  # the failure, in the recent failures table
+    assert "x its shards" in dom and "4.00x the shard" in dom  # what checkpoints take, per node and per role
+    assert "one node loss; at most 1 lost step" in dom
     shot = tmp_path / "status.png"
     chromium(ds.url + "/", f"--screenshot={shot}", "--window-size=1280,760", "--hide-scrollbars")
     assert shot.stat().st_size > 10_000
+
+
+def test_ffplane_status_shows_what_checkpoints_take_per_node_and_per_role(cluster_with_history: LocalCluster) -> None:
+    from ffplane_harness.cli import render_status
+
+    ds = cluster_with_history.dataserver
+    assert ds is not None
+    lines = render_status(httpx.get(ds.url + "/v1/cluster").json()).splitlines()
+    assert "CHECKPOINTS" in lines[1]
+    (n0,) = [line for line in lines if line.startswith("n0 ")]
+    assert "MiB = 2.00x" in n0  # its one role's two slots; n1's replicas went with n1
+    (role,) = [line for line in lines if line.startswith("dp0-pp0-tp0 ")]
+    assert "4.00x" in role and "one node loss; at most 1 lost step" in role  # a role alone: its saves are settled
 
 
 def test_recovery_is_the_first_newer_commit_after_the_failure() -> None:

@@ -5,15 +5,18 @@ its shared memory wiped)."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
 from ffplane_harness.local_cluster import LocalCluster
-from tests._servers import until
+from tests._servers import Proc, until
 from tests.statestore.conftest import daemon_state, start_ring
 from trainer_client import Checkpointer, Layout
 from trainer_client.checkpointer import settle_all
@@ -131,3 +134,34 @@ def test_one_version_is_refused_naming_what_it_would_lose() -> None:
     assert out.returncode == 2 and "Traceback" not in out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert "--versions 1 cannot survive a node loss" in line and "at least 2" in line
+
+
+def test_a_save_into_a_slot_reserved_for_a_settled_save_survives_a_daemon_restart(
+    start_daemon: Callable[..., Proc], shm_root: Path
+) -> None:
+    """Step 1's slot comes with step 2's commit reply, still holding step 1 (only a settled save
+    may write it). The daemon is SIGKILLed and restarted before step 3 is copied there: the new
+    daemon, which never handed that slot out, adopts it for the settled save, and step 1 gives
+    way to it."""
+    daemon = start_daemon()
+    sock = shm_root / "daemon.sock"
+    ck = Checkpointer("job", socket_path=sock)  # one role: its saves are settled
+    for step in (1, 2):
+        ck.save(step, _state(step, 0))
+    ck.wait()
+    role = _role(daemon)
+    assert role["reserved"] == 1 and [v["step"] for v in role["versions"]] == [2, 1]  # the reserved slot holds step 1
+    daemon.kill(signal.SIGKILL)
+    daemon = start_daemon()
+    ck.save(3, _state(3, 0))  # into the slot reserved by the daemon that died, committed to the new one
+    ck.wait()
+    ck.close()
+    role = _role(daemon)
+    assert role["slots"] == 2 and [v["step"] for v in role["versions"]] == [3, 2]
+    got = Checkpointer("job", socket_path=sock).restore()
+    assert got is not None and got.step == 3 and torch.equal(got.state["w"], _state(3, 0)["w"])
+
+
+def _role(daemon: Proc) -> dict[str, Any]:
+    (role,) = httpx.get(daemon.url + "/v1/state").json()["roles"]
+    return role
