@@ -31,6 +31,7 @@ from ffplane_contract.errors import (
     SlotBusyError,
     StaticHeaderUnknownError,
     TransportError,
+    UnavailableError,
     UnknownSlotError,
 )
 from ffplane_runtime.pagemap import populate_write
@@ -39,6 +40,10 @@ from trainer_client.pinned import Registration
 
 log = logging.getLogger(__name__)
 _SAY_WHY_AFTER_S = 1.0  # a save waiting this long for the previous commit logs why
+# How long a commit into a reserved slot is asked again while its daemon is restarting: answered
+# "not committed" at once, the rank would let the job's next collective pass (settle_all) with a
+# step it does not have, and the other ranks' settled saves drop the version it still needs.
+_DAEMON_BACK_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +111,7 @@ class CommitPipeline:
         self._pending: proto.Commit | None = None  # the commit sent (or not: _unsent), its reply not read yet
         self._unsent: TransportError | None = None  # why the pending commit could not be sent
         self._failed: FFPlaneError | None = None  # a commit that failed, for the next save or wait
+        self.lost: int | None = None  # the step of the last save, if it was not committed (``settle_all`` raises)
         self._reserved: proto.Grant | None = None  # the slot the last commit reply handed out
         self._static: dict[str, Any] = {}  # the header's static part the daemon has (and its digest)
         self._static_digest = ""
@@ -274,6 +280,7 @@ class CommitPipeline:
                 extra={"job": self.job, "role": self.role, "step": msg.step},
             )
         self._pending = self._unsent = None
+        self.lost = msg.step  # until a reply says it is committed
         reply: proto.CommitReply | None
         try:
             if unsent is not None:
@@ -295,6 +302,8 @@ class CommitPipeline:
         except FFPlaneError as exc:
             self._commit_failed(msg, exc)
             return True
+        if reply is not None:
+            self.lost = None
         if reply is not None and reply.next is not None:  # the next save's slot: no 'begin' before it
             self._reserved = reply.next
         return True
@@ -302,16 +311,21 @@ class CommitPipeline:
     def _recommit(self, msg: proto.Commit, why: FFPlaneError) -> proto.CommitReply | None:
         """Send a commit again, whole (a restarted daemon, or one missing the static header)."""
         msg = dataclasses.replace(msg, static_header=self._static)
-        try:
-            reply: proto.CommitReply = self._call_locked(msg)
-            return reply
-        except TransportError as exc:
-            log.warning(
-                "step %d not committed: %s (then %s)", msg.step, why, exc, extra={"job": self.job, "role": self.role, "step": msg.step}
-            )
-        except FFPlaneError as exc:
-            self._commit_failed(msg, exc)
-        return None
+        deadline = time.monotonic() + _DAEMON_BACK_S
+        while True:
+            try:
+                reply: proto.CommitReply = self._call_locked(msg)
+                return reply
+            except TransportError as exc:
+                if time.monotonic() < deadline and msg.reserved:  # the daemon may be restarting: its slots outlive it
+                    time.sleep(0.05)
+                    continue
+                log.warning(
+                    "step %d not committed: %s (then %s)", msg.step, why, exc, extra={"job": self.job, "role": self.role, "step": msg.step}
+                )
+            except FFPlaneError as exc:
+                self._commit_failed(msg, exc)
+            return None
 
     def _commit_failed(self, msg: proto.Commit, exc: FFPlaneError) -> None:
         """A reserved slot the daemon neither handed out nor could adopt, or a role it has no
@@ -332,6 +346,17 @@ class CommitPipeline:
         failed, self._failed = self._failed, None
         if failed is not None:
             raise failed
+
+    def raise_lost(self) -> None:
+        """Raise (once) if the last save was not committed: a rank must not pass the job's next
+        collective as if it were (``settle_all``)."""
+        lost, self.lost = self.lost, None
+        if lost is not None:
+            failed, self._failed = self._failed, None
+            raise failed or UnavailableError(
+                f"step {lost} of {self.role} (job {self.job!r}) was not committed (its node daemon went away): the other "
+                "ranks' next saves would drop the version this rank still needs, so the job restarts from the restorable step"
+            )
 
     def close(self) -> None:
         for s in self._slots.values():

@@ -60,9 +60,11 @@ def settle_all() -> None:
     other ranks save T) until its own last save has a replica on the next node, so losing it
     costs at most one step. The next save then says it is *settled*: no role can need a version
     older than its newest any more, and the daemons keep two copies of each role's shard where
-    they would keep three (``statestore.retention``)."""
+    they would keep three (``statestore.retention``). A last save that was not committed (its
+    daemon went away and did not come back in time, or the commit failed) raises here instead."""
     for ckpt in list(_open):
         ckpt.settle()
+        ckpt._commits.raise_lost()  # an answer that is a failure proves nothing: raised before the collective
         ckpt._settled = True
 
 
