@@ -171,8 +171,14 @@ class ParityStore:
         return sum(acc.size for acc in self.accs.values())
 
     def memory(self) -> dict[str, Any]:
-        roles = {(acc.job, r) for acc in self.accs.values() for r in (*acc.members, *acc.arriving)}
-        return {"accumulators": len(self.accs), "bytes": self.held_bytes(), "roles": len(roles), "xored_bytes": self.xored_bytes}
+        roles = sorted({f"{acc.job}/{r}" for acc in self.accs.values() for r in (*acc.members, *acc.arriving)})
+        return {
+            "accumulators": len(self.accs),
+            "bytes": self.held_bytes(),
+            "roles": len(roles),
+            "covers": roles[:256],  # job/role whose shard these accumulators can rebuild
+            "xored_bytes": self.xored_bytes,
+        }
 
     # --- rebuilding ------------------------------------------------------------------------
     def others(self, acc: Accumulator, role: str) -> list[Member]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ffplane_harness.local_cluster import LocalCluster
-from tests._servers import until
+from tests._servers import TOKEN, until
 from tests.statestore.conftest import daemon_state, start_ring
 from trainer_client import Checkpointer, Layout
 from trainer_client.checkpointer import settle_all
@@ -108,3 +108,52 @@ def test_parity_k_one_is_refused_in_a_line() -> None:
         timeout=60,
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr and "--parity-k 1 is a whole replica" in out.stderr
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _push(url: str, role: str, step: int, data: bytes, source: str, checksum: str | None = None) -> httpx.Response:
+    import xxhash
+
+    meta = {
+        "nbytes": len(data),
+        "checksum": checksum or xxhash.xxh3_64_hexdigest(data),
+        "header": {"layout_roles": [role]},
+        "source": source,
+    }
+    begin = httpx.post(f"{url}/v1/replicas/job/{role}/{step}/begin", json=meta, headers=AUTH)
+    assert begin.status_code == 200, begin.text
+    put = httpx.put(f"{url}/v1/replicas/job/{role}/{step}", params={"offset": 0}, content=data, headers=AUTH)
+    if put.status_code != 200:
+        return put
+    return httpx.post(f"{url}/v1/replicas/job/{role}/{step}/commit", headers=AUTH)
+
+
+def test_what_a_parity_holder_is_sent_wrong_changes_nothing_it_held(cluster: LocalCluster) -> None:
+    """Pushes to a parity holder from outside: bytes that do not match their checksum (their XOR
+    is in: the accumulator is dropped with it, never kept holding it), a body that runs past its
+    size (refused before a byte is XORed), a finish before every byte, a token-less push — each
+    refused with a 4xx and a sentence."""
+    start_ring(cluster, 3, "--parity-k", "2")
+    holder = cluster.daemons[2].url
+    a, b = bytes(range(256)) * 64, bytes(reversed(range(256))) * 64
+    assert _push(holder, "dp0-pp0-tp0", 1, a, "n0").status_code == 200
+    bad = _push(holder, "dp1-pp0-tp0", 1, b, "n1", checksum="0" * 16)
+    assert bad.status_code == 422 and "corrupt" in bad.text  # its XOR is in: the accumulator goes with it
+    assert httpx.get(holder + "/v1/state").json()["parity"]["accumulators"] == 0
+    assert _push(holder, "dp0-pp0-tp0", 2, a, "n0").status_code == 200
+    over = httpx.post(
+        f"{holder}/v1/replicas/job/dp1-pp0-tp0/2/begin",
+        json={"nbytes": 16, "checksum": "x", "header": {"layout_roles": ["dp1-pp0-tp0"]}, "source": "n1"},
+        headers=AUTH,
+    )
+    assert over.status_code == 200
+    past = httpx.put(f"{holder}/v1/replicas/job/dp1-pp0-tp0/2", params={"offset": 0}, content=b"y" * 32, headers=AUTH)
+    assert 400 <= past.status_code < 500 and "past" in past.text
+    early = httpx.post(f"{holder}/v1/replicas/job/dp1-pp0-tp0/2/commit", headers=AUTH)
+    assert early.status_code == 409 and "received" in early.text
+    nobody = httpx.post(f"{holder}/v1/replicas/job/dp1-pp0-tp0/2/begin", json={"nbytes": 1, "checksum": "x", "header": {}, "source": "n1"})
+    assert nobody.status_code == 401
+    state = httpx.get(holder + "/v1/state").json()["parity"]
+    assert state["accumulators"] == 1 and state["roles"] == 2  # step 2: a's bytes, b's half-done push
