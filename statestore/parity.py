@@ -15,6 +15,7 @@ counts once its checksum matches. A member whose bytes do not match poisons the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ffplane_contract.checksum import streaming_checksum
 from ffplane_contract.errors import CapacityError, CorruptError, FFPlaneError, TransferOrderError
@@ -214,9 +216,8 @@ class ParityStore:
 
     def close(self) -> None:
         for acc in self.accs.values():
-            if acc.mm is not None:
-                acc.mm.close()
-                acc.mm = None
+            _close(acc.mm)
+            acc.mm = None
 
     def _of(self, job: str, step: int) -> list[Accumulator]:
         return [acc for (j, _g, _l, s), acc in self.accs.items() if j == job and s == step]
@@ -262,8 +263,7 @@ class ParityStore:
                 acc.size = nbytes
         finally:
             os.close(fd)
-        if acc.mm is not None:
-            acc.mm.close()
+        _close(acc.mm)
         acc.mm = self._map(acc)
         self._record(acc)
 
@@ -297,13 +297,21 @@ class ParityStore:
         self.accs.pop((acc.job, acc.group, acc.lane, acc.step), None)
         for key in [k for k, a in self._arrivals.items() if a.acc is acc]:
             del self._arrivals[key]
-        if acc.mm is not None:
-            acc.mm.close()
-            acc.mm = None
+        _close(acc.mm)
+        acc.mm = None
         self.index.delete(f"{_KEY}{acc.job}/{_safe(acc.group)}/{acc.lane}/{acc.step:012d}")
         shm.unlink(str(self.root / acc.path))
 
 
 def _safe(group: str) -> str:
-    """A group's members as one path part (node ids may hold ':')."""
-    return group.replace(":", "_").replace(",", "+")
+    """A group as one path part and index key part: its digest (sixteen node ids of 128
+    characters would be longer than a file name may be)."""
+    return xxhash.xxh3_64_hexdigest(group.encode())
+
+
+def _close(mm: mmap.mmap | None) -> None:
+    """Unmap, unless a push is XORing into it right now: its view keeps the mapping (of a file
+    already unlinked) until it lets go."""
+    if mm is not None:
+        with contextlib.suppress(BufferError):
+            mm.close()
