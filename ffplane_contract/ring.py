@@ -25,3 +25,24 @@ def successor(ring: Sequence[str], node_id: str) -> str | None:
     if len(ring) < (2 if member else 1):
         return None
     return ring[after % len(ring)]
+
+
+def parity_group(ring: Sequence[str], node_id: str, k: int) -> tuple[str, ...]:
+    """The members whose shards are XORed together with ``node_id``'s (parity replicas, ``k``
+    per group): ``ring`` cut in runs of ``k`` in node-id order, the last run shorter. A ring of
+    ``k`` members or fewer, or a node out of it, has no parity group: ``(node_id,)`` alone, whose
+    "parity" is a whole replica on its successor."""
+    if node_id not in ring or len(ring) <= k:
+        return (node_id,)
+    start = ring.index(node_id) // k * k
+    return tuple(ring[start : start + k])
+
+
+def parity_holder(ring: Sequence[str], node_id: str, k: int) -> str | None:
+    """The node holding the parity of ``node_id``'s group: the member after the group's last,
+    wrapping around (never one of the group: the ring has more than ``k`` members). With no
+    group, the ring successor (a whole replica)."""
+    group = parity_group(ring, node_id, k)
+    if len(group) == 1 and (node_id not in ring or len(ring) <= k):
+        return successor(ring, node_id)
+    return ring[(ring.index(group[-1]) + 1) % len(ring)]

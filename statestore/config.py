@@ -31,7 +31,7 @@ from ffplane_contract.settings import (
 )
 from ffplane_contract.warm import default_dir
 from statestore.link_gate import GateConfig
-from statestore.retention import DEFAULT_VERSIONS, MAX_VERSIONS, MIN_VERSIONS
+from statestore.retention import DEFAULT_VERSIONS, MAX_PARITY_K, MAX_VERSIONS, MIN_VERSIONS
 
 
 def _versions(n: int) -> int:
@@ -41,6 +41,14 @@ def _versions(n: int) -> int:
             f"intact copy in memory (its only replica half-overwritten); at least {MIN_VERSIONS}"
         )
     return n
+
+
+def _parity_k(k: int) -> int:
+    if k == 1:
+        raise ValueError("--parity-k 1 is a whole replica of each shard: leave it at 0 (the default), or 2 and more for parity")
+    if k < 0:
+        raise ValueError(f"--parity-k is 0 (off) or 2..{MAX_PARITY_K}, got {k}")
+    return k
 
 
 def _urls(spec: str) -> str:
@@ -71,6 +79,7 @@ class DaemonConfig(Settings):
     no_replicate: bool = Field(False, description="do not push commits to the ring successor")
     replica_max_lag: NonNegInt = Field(1, description="a commit is answered once the ring successor holds the version this many commits back, counting itself (1 = itself); that push passes the link gate (0 = off: replication always waits for an idle link)")  # fmt: skip
     replica_wait_s: NonNegSeconds = Field(30.0, description="longest a commit answer waits for that replica (then logged)")
+    parity_k: Annotated[int, AfterValidator(_parity_k)] = Field(0, le=MAX_PARITY_K, description="parity replicas: each group of this many nodes (in node-id order) keeps the XOR of its shards on the node after it, instead of a whole copy on each successor: versions x (1 + 1/k) the shard per role, a lost node rebuilt from its group (k shards moved to restore it); pushes then come over HTTP (0 = off: whole replicas)")  # fmt: skip
     versions: Annotated[int, AfterValidator(_versions)] = Field(DEFAULT_VERSIONS, le=MAX_VERSIONS, description=f"committed versions each local role keeps here, in as many slots, and its ring successor in replica files (at least {MIN_VERSIONS}): 2 survive a worker kill, a daemon kill and one node loss losing at most one step when saves are settled (trainer_client.settle_all, which the DDP comm hook calls); a role whose saves are not is given a slot and a file more, and may lose two")  # fmt: skip
     gate_rate_cap_mbit: RateMbit = Field(0.0, description="cap on all STATE traffic, Mbit/s (0 = none)")
     gate_iface: str = Field("", description="training NIC whose byte counters close the gate (default: off)")

@@ -25,6 +25,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from ffplane_contract.ring import parity_group
 from statestore.config import DaemonConfig
 from statestore.control import ControlServer
 from statestore.heartbeat import Heartbeat
@@ -107,7 +108,10 @@ class Daemon:
         await transport.start()
         stack.push_async_callback(transport.close)
         bulk = None
-        if cfg.bulk_port >= 0:
+        if root.replicas.parity is not None:  # parity XORs each piece as it arrives: pushes come over HTTP
+            parity_k = cfg.parity_k
+            root.replicas.parity.group_of = lambda node: parity_group(sorted(heartbeat.view.get("ring", [])), node, parity_k)
+        elif cfg.bulk_port >= 0:
             bulk = BulkServer(self.token, root.replicas)
             stack.push_async_callback(bulk.close)
             port = await bulk.start(cfg.host, cfg.bulk_port)
@@ -125,6 +129,7 @@ class Daemon:
                 cfg.replica_wait_s,
                 corrupt.quarantine,
                 latencies.replication.observe,
+                cfg.parity_k,
             )
         state = StateService(
             cfg.root,

@@ -132,6 +132,19 @@ class Heartbeat:
                             "replica_of": r.source,
                         }
                     )
+            parity = self.replicas.parity
+            for job in parity.jobs() if parity is not None else ():
+                for role, members in parity.inventory(job).items():  # a lost member's shard is rebuilt here
+                    out.setdefault(job, {}).setdefault(role, []).extend(
+                        {
+                            "step": m.step,
+                            "checksum": m.checksum,
+                            "nbytes": m.nbytes,
+                            "layout_roles": m.header.get("layout_roles", [role]),
+                            "replica_of": m.source,
+                        }
+                        for m in members
+                    )
         return out
 
     async def run(self) -> None:

@@ -36,6 +36,7 @@ from statestore import retention, shm
 from statestore.budget import REPLICAS_HOLDER, Budget
 from statestore.index import Index, encode, remove_sidecar, write_sidecar
 from statestore.latencies import Parts
+from statestore.parity import ParityStore
 
 log = logging.getLogger(__name__)
 SPARE = "spare.bin"  # a role's retired replica file, kept for its next push
@@ -91,10 +92,13 @@ def _key(job: str, role: str, step: int) -> str:
 
 
 class ReplicaStore:
-    def __init__(self, root: Path, index: Index, budget: Budget, versions: int = retention.DEFAULT_VERSIONS) -> None:
+    def __init__(
+        self, root: Path, index: Index, budget: Budget, versions: int = retention.DEFAULT_VERSIONS, parity: ParityStore | None = None
+    ) -> None:
         """``budget``: the daemon's one ledger, shared with the data cache and the slots; the
-        replicas count in it as ``replicas``. ``versions``: as the primaries' (``--versions``)."""
-        self.versions = versions
+        replicas count in it as ``replicas``. ``versions``: as the primaries' (``--versions``).
+        ``parity``: pushed replicas are XORed into parity accumulators there (``--parity-k``)."""
+        self.versions, self.parity = versions, parity
         self.root = root
         self._root = str(root)  # the per-push paths are strings (see index.write_sidecar)
         self.index = index
@@ -148,6 +152,7 @@ class ReplicaStore:
 
     def held_bytes(self) -> int:
         held = sum(r.nbytes for versions in self.complete.values() for r in versions.values())
+        held += self.parity.held_bytes() if self.parity is not None else 0
         return held + sum(i.meta.nbytes for i in self._incoming.values()) + sum(s.size for s in self._spares.values())
 
     def get(self, job: str, role: str, step: int) -> Replica | None:
@@ -189,6 +194,8 @@ class ReplicaStore:
         if static:
             header = {**self._static(job, role, static, static_header), **header}
         self._purge()
+        if self.parity is not None and kind == "replica":
+            return self.parity.begin(job, role, step, nbytes, digest, header, source, header_digest)
         key = (job, role, step)
         inc = self._incoming.get(key)
         if inc is not None and (inc.meta.checksum != digest or inc.meta.nbytes != nbytes):
@@ -316,6 +323,8 @@ class ReplicaStore:
         """Write a streamed body from ``offset`` on; what arrived before a cut-off counts, so
         the sender resumes from there. Returns the bytes received so far."""
         inc = self._incoming.get((job, role, step))
+        if inc is None and self.parity is not None:
+            return await self.parity.receive(job, role, step, offset, body)
         if inc is None:
             raise TransferOrderError(f"no transfer of {role} step {step} in progress; send 'begin' first")
         async with inc.lock:
@@ -357,6 +366,9 @@ class ReplicaStore:
             done = self.get(job, role, step)
             if done is not None:
                 return done
+            if self.parity is not None:
+                m = self.parity.finish(job, role, step)
+                return Replica(job, role, step, "", m.nbytes, m.checksum, m.header, m.source, kind="parity")
             raise TransferOrderError(f"no transfer of {role} step {step} to finish")
         async with inc.lock:
             started = time.perf_counter()

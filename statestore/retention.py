@@ -21,6 +21,7 @@ DEFAULT_VERSIONS: Final = 2
 # roles' only replica half-overwritten, and its own copy is gone with it.
 MIN_VERSIONS: Final = 2
 MAX_VERSIONS: Final = 8  # each version is a whole shard of shared memory on two nodes
+MAX_PARITY_K: Final = 16  # nodes a parity group XORs together (a lost one is rebuilt from all the others)
 
 
 def kept_while_writing(versions: int, settled: bool) -> int:
@@ -40,8 +41,11 @@ def lost_steps(settled: bool) -> int:
     return 1 if settled else 2
 
 
-def survives(replicated: bool, settled: bool) -> str:
+def survives(replicated: bool, settled: bool, parity_k: int = 0) -> str:
     """What failures a role's copies survive from memory, in words (``/v1/state``)."""
     if not replicated:
         return "worker or daemon kill (no replica: a node loss needs the durable tier)"
-    return f"worker or daemon kill, one node loss; at most {lost_steps(settled)} lost step" + ("" if settled else "s (saves not settled)")
+    how = f" (rebuilt from its parity group of {parity_k})" if parity_k else ""
+    return f"worker or daemon kill, one node loss{how}; at most {lost_steps(settled)} lost step" + (
+        "" if settled else "s (saves not settled)"
+    )

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ffplane_contract.ring import parity_holder
 from statestore import retention
 from statestore.heartbeat import Heartbeat
 from statestore.replicas import ReplicaStore
@@ -47,8 +48,10 @@ class Replicator:
         wait_s: float = 30.0,
         quarantine: Callable[[LocalShard], None] = lambda shard: None,
         observe_push: Callable[[float], None] = lambda seconds: None,
+        parity_k: int = 0,
     ) -> None:
         self.node_id = node_id
+        self.parity_k = parity_k  # > 0: push to the group's parity holder (statestore.parity), not the successor
         self._observe_push = observe_push  # each push's duration, for the daemon's histogram
         self._quarantine = quarantine  # drops a copy held here that is found corrupt (``CorruptCopies.quarantine``)
         self.max_lag, self.wait_s = max_lag, wait_s
@@ -135,6 +138,14 @@ class Replicator:
                 self.commit_waits += 1
                 self.commit_wait_s += waited
 
+    def target(self, view: dict[str, Any]) -> tuple[str | None, str | None]:
+        """Where commits go, and its address: the ring successor, or with parity replicas the
+        holder of this node's group's parity (``ffplane_contract.ring.parity_holder``)."""
+        if not self.parity_k:
+            return view.get("successor"), view.get("successor_address")
+        holder = parity_holder(sorted(view.get("ring", [])), self.node_id, self.parity_k)
+        return holder, view.get("members", {}).get(holder) if holder else None
+
     def _no_peer(self) -> bool:
         return self.successor is None and self.heartbeat.view.get("successor") is None and not self._waits_for_a_peer()
 
@@ -189,7 +200,7 @@ class Replicator:
                 pass
             self._wake.clear()
             view = self.heartbeat.view
-            succ, addr = view.get("successor"), view.get("successor_address")
+            succ, addr = self.target(view)
             ring = (tuple(view.get("ring", [])), tuple(view.get("dead", [])))
             if ring != self._ring or succ != self.successor:  # (a view's successor may be newer than its member list)
                 if succ != self.successor:
@@ -231,7 +242,7 @@ class Replicator:
             reverse=True,
         )
         for step, job, role in work:
-            if self.heartbeat.view.get("successor") != succ:
+            if self.target(self.heartbeat.view)[0] != succ:
                 return True  # re-plan against the new ring
             shard = find_local(self.slots, self.replicas, job, role, step)
             if shard is None or (shard.kind != "primary" and (job, role, step) not in self._held):

@@ -27,6 +27,7 @@ from statestore.data_cache import DataCache
 from statestore.dataservers import DataServers
 from statestore.index import Index
 from statestore.link_gate import LinkGate
+from statestore.parity import ParityStore
 from statestore.rebuild import QUARANTINE, rebuild, set_aside
 from statestore.replicas import ReplicaStore
 from statestore.slots import SlotStore
@@ -71,10 +72,15 @@ def open_root(config: DaemonConfig, token: str | None, stack: ExitStack, served:
     cache = DataCache(config, index, token, gate, servers, budget)  # nothing to close before it starts
     slots = SlotStore(root, index, budget, config.versions)
     stack.callback(slots.close)
-    replicas = ReplicaStore(root, index, budget, config.versions)
+    parity = None
+    if config.parity_k:
+        # its group rule is the ring view's, once the heartbeat has one (statestore.daemon)
+        parity = ParityStore(root, index, config.parity_k, config.versions, group_of=lambda node: (node,), free=budget.free)
+        stack.callback(parity.close)
+    replicas = ReplicaStore(root, index, budget, config.versions, parity)
     stack.callback(replicas.close)
     kept, dropped = cache.reattach()
-    versions, held = slots.reattach(), replicas.reattach()
+    versions, held = slots.reattach(), replicas.reattach() + (parity.reattach() if parity is not None else 0)
     _fit_budget(config, budget, cache)
     shm.check_room(root, budget.total, already_ours=budget.used())
     huge_pages = shm.huge_pages(root)

@@ -462,9 +462,10 @@ class SlotStore:
             log.warning("corrupt shard: trying an older step", extra={"job": job, "step": step})
         return None, {}
 
-    def describe(self, replicated: bool = True) -> list[dict[str, Any]]:
+    def describe(self, replicated: bool = True, parity_k: int = 0) -> list[dict[str, Any]]:
         """Every local role: its slots, versions and what its copies take and survive
-        (``replicated``: whether commits go to a ring successor)."""
+        (``replicated``: whether commits go to a ring successor; ``parity_k``: in parity groups of
+        that many, its share of the holder's accumulators instead)."""
         out = []
         for rs in self.roles.values():
             newest = rs.newest(len(rs.versions))
@@ -478,7 +479,7 @@ class SlotStore:
                     "writing": sorted(s for s in rs.writing.values() if s != RESERVED),
                     "reserved": sum(1 for s in rs.writing.values() if s == RESERVED),
                     "unique_bytes": header.get("unique_nbytes"),
-                    "memory": self._memory(rs, newest[0].nbytes if newest else rs.size, replicated),
+                    "memory": self._memory(rs, newest[0].nbytes if newest else rs.size, replicated, parity_k),
                     "razored_bytes": newest[0].nbytes if newest else None,
                     "versions": [
                         {
@@ -497,19 +498,20 @@ class SlotStore:
             )
         return out
 
-    def _memory(self, rs: RoleState, shard: int, replicated: bool) -> dict[str, Any]:
+    def _memory(self, rs: RoleState, shard: int, replicated: bool, parity_k: int) -> dict[str, Any]:
         """Shared memory the role takes: its slots here, and (by the rule its successor keeps,
-        ``statestore.retention``) its replica files there; as a multiple of its razored shard."""
+        ``statestore.retention``) its replica files there, or its share of its group's parity;
+        as a multiple of its razored shard."""
         settled = rs.settled is not False  # a role that has not saved yet is counted as settling
         here = len(rs.paths) * rs.size
-        successor = retention.files(self.versions, settled) * rs.size if replicated else 0
+        successor = retention.files(self.versions, settled) * rs.size // max(parity_k, 1) if replicated else 0
         return {
             "here_bytes": here,
             "successor_bytes": successor,
             "shard_bytes": shard,
             "multiple": round((here + successor) / max(shard, 1), 3),
             "settled": rs.settled,
-            "survives": retention.survives(replicated, settled),
+            "survives": retention.survives(replicated, settled, parity_k),
         }
 
 

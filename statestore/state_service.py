@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,62 @@ class StateService:
 
     def local(self, job: str, role: str, step: int) -> LocalShard | None:
         return find_local(self.slots, self.replicas, job, role, step)
+
+    async def held(self, job: str, role: str, step: int) -> LocalShard | None:
+        """A shard held here, or rebuilt here from parity (``statestore.parity``)."""
+        return self.local(job, role, step) or await self.rebuilt(job, role, step)
+
+    async def rebuilt(self, job: str, role: str, step: int) -> LocalShard | None:
+        """``role``'s shard of ``step`` rebuilt from the parity held here and the other members'
+        shards of the step, pulled from their nodes; kept as a pulled shard once its checksum and
+        header digest match what its primary recorded. None when no parity here covers it."""
+        parity = self.replicas.parity
+        if parity is None or parity.covers(job, role, step) is None:
+            return None
+        key = (job, role, step)
+        pending = self._pulls.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._rebuild(job, role, step))
+            self._pulls[key] = pending
+            pending.add_done_callback(lambda _: self._pulls.pop(key, None))
+        return await asyncio.shield(pending)
+
+    async def _rebuild(self, job: str, role: str, step: int) -> LocalShard:
+        parity = self.replicas.parity
+        assert parity is not None
+        acc = parity.covers(job, role, step)
+        if acc is None:
+            raise NotFoundError(f"the parity of {role} step {step} went while it was being rebuilt")
+        m = acc.members[role]
+        out = parity.start(acc)
+        members = self.replicator.heartbeat.view.get("members", {}) if self.replicator is not None else {}
+        for other in parity.others(acc, role):
+            base = members.get(other.source)
+            if base is None:
+                raise NotFoundError(f"cannot rebuild {role} step {step}: {other.role}'s node {other.source} is not alive")
+            mine = self.local(job, other.role, step)
+            r = None if mine is not None else await self.transport.pull(base, self.replicas, job, other.role, step, other.source)
+            try:
+                shard = mine or self.local(job, other.role, step)
+                assert shard is not None
+                if shard.checksum != other.checksum:
+                    raise CorruptError(f"{other.role} step {step} on {other.source} is not the shard the parity holds")
+                parity.xor_into(out, shard.view())
+            finally:
+                if r is not None:
+                    self.replicas.drop(job, other.role, step)  # a means to the rebuild only
+        self.replicas.begin(job, role, step, m.nbytes, m.checksum, m.header, self.node_id, kind="pulled", header_digest=m.header_digest)
+
+        async def rebuilt_bytes() -> AsyncIterator[memoryview]:
+            yield memoryview(out)[: m.nbytes]
+
+        await self.replicas.receive(job, role, step, 0, rebuilt_bytes())
+        await self.replicas.finish(job, role, step)  # the rebuilt bytes against the primary's checksum and header digest
+        self.pulled_bytes += m.nbytes
+        log.info("shard rebuilt from parity", extra={"job": job, "role": role, "step": step, "members": len(acc.members)})
+        shard = self.local(job, role, step)
+        assert shard is not None
+        return shard
 
     async def verify(self, job: str, step: int, roles: list[str] | None = None) -> list[str]:
         """The roles (default: every role saving here) whose shard of ``step`` held here fails its
@@ -381,11 +438,22 @@ class StateService:
             return self._shard_reply(shard)  # verified by the restoring worker's ``verify`` call
         remote = [(n, alive[n]) for n in holders if n != self.node_id]
         failures = []
+        unavailable = None
         if remote:
             try:
                 return self._shard_reply(await self._pull(job, role, step, remote))
             except _NoIntactCopy as exc:
                 failures.append(str(exc))
+            except UnavailableError as exc:
+                unavailable = exc
+        try:  # a parity held here: k shards moved, where a whole copy elsewhere moved one
+            shard = await self.rebuilt(job, role, step)
+            if shard is not None:
+                return self._shard_reply(shard)
+        except FFPlaneError as exc:
+            failures.append(str(exc))
+        if unavailable is not None:
+            raise unavailable
         if on_disk and self.durable.directory is not None:
             found = await asyncio.to_thread(durable.shard, self.durable.directory, job, role, step)
             if found is not None:
@@ -406,6 +474,10 @@ class StateService:
             if j == job:
                 for r in versions.values():
                     out.setdefault(role, {})[r.step] = layout_roles(r.header, role)
+        parity = self.replicas.parity
+        for role, members in parity.inventory(job).items() if parity is not None else ():
+            for m in members:
+                out.setdefault(role, {})[m.step] = layout_roles(m.header, role)
         return out
 
     async def _pull(self, job: str, role: str, step: int, holders: list[tuple[str, str]]) -> LocalShard:

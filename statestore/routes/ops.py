@@ -75,8 +75,10 @@ def state(node: NodeDep) -> dict[str, Any]:
         "node_id": config.node_id,
         "coordinator": node.heartbeat.view,
         "versions": config.versions,
-        "held": _held(slots, replicas, service.replicator is not None),
-        "roles": slots.describe(replicated=service.replicator is not None),
+        "held": _held(slots, replicas, service.replicator is not None, config.parity_k),
+        "roles": slots.describe(service.replicator is not None, config.parity_k),
+        "parity_k": config.parity_k,
+        "parity": replicas.parity.memory() if replicas.parity is not None else None,
         "replicas": replicas.describe(),
         "replica_memory": replicas.memory(),
         "replication": service.replicator.describe() if service.replicator else None,
@@ -93,9 +95,9 @@ def state(node: NodeDep) -> dict[str, Any]:
     }
 
 
-def _held(slots: SlotStore, replicas: ReplicaStore, replicated: bool) -> dict[str, Any]:
+def _held(slots: SlotStore, replicas: ReplicaStore, replicated: bool, parity_k: int) -> dict[str, Any]:
     """What this node holds of checkpoints, as a multiple of its own roles' shards."""
-    roles = slots.describe(replicated)
+    roles = slots.describe(replicated, parity_k)
     shards = sum(r["memory"]["shard_bytes"] for r in roles)
     here, held = slots.slot_bytes(), replicas.held_bytes()
     return {

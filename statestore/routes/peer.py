@@ -33,7 +33,7 @@ from ffplane_contract.shard import META_LIMIT
 from statestore.daemon import Node
 from statestore.routes._errors import documented
 from statestore.routes._node import NodeDep, authorised
-from statestore.shard import LocalShard, find_local
+from statestore.shard import LocalShard
 from statestore.transport import read_meta_prefix
 
 __all__ = ["router"]
@@ -60,9 +60,9 @@ def transfer(node: NodeDep) -> dict[str, Any]:
 
 
 @router.get("/v1/state/{job}/{role}/{step}", responses=documented(401, 404, 422, 503))
-def shard_meta(job: JobName, role: RoleName, step: Step, node: NodeDep) -> dict[str, Any]:
-    """Size, checksum and header of a shard held here (peer API)."""
-    return _held(node, job, role, step).meta()
+async def shard_meta(job: JobName, role: RoleName, step: Step, node: NodeDep) -> dict[str, Any]:
+    """Size, checksum and header of a shard held here, or rebuilt here from parity (peer API)."""
+    return (await _held(node, job, role, step)).meta()
 
 
 @router.get(
@@ -72,7 +72,7 @@ def shard_meta(job: JobName, role: RoleName, step: Step, node: NodeDep) -> dict[
 )
 async def shard(job: JobName, role: RoleName, step: Step, node: NodeDep, offset: Offset = 0, length: Length = None) -> Response:
     """The raw bytes of a shard held here, or ``length`` of them from ``offset`` (peer API)."""
-    held = _held(node, job, role, step)
+    held = await _held(node, job, role, step)
     end = held.nbytes if length is None else offset + length
     if not 0 <= offset <= end <= held.nbytes:
         raise NotFoundError(f"range {offset}..{end} is outside the shard's {held.nbytes} bytes", 416)
@@ -154,8 +154,8 @@ async def replica_commit(job: JobName, role: RoleName, step: Step, node: NodeDep
     return {"ok": True, "checksum": r.checksum}
 
 
-def _held(node: Node, job: str, role: str, step: int) -> LocalShard:
-    shard = find_local(node.root.slots, node.root.replicas, job, role, step)
+async def _held(node: Node, job: str, role: str, step: int) -> LocalShard:
+    shard = await node.state.held(job, role, step)
     if shard is None:
         raise NotFoundError(f"no committed shard or replica of {role} at step {step} in job {job!r} on this node")
     return shard
