@@ -184,23 +184,23 @@ class StateService:
             base = members.get(other.source)
             if base is None:
                 raise NotFoundError(f"cannot rebuild {role} step {step}: {other.role}'s node {other.source} is not alive")
-            mine = self.local(job, other.role, step)
-            r = None if mine is not None else await self.transport.pull(base, self.replicas, job, other.role, step, other.source)
+            # kept as a pulled shard (a restore here may want it too; a newer commit drops it)
             try:
-                shard = mine or self.local(job, other.role, step)
-                assert shard is not None
-                if shard.checksum != other.checksum:
-                    raise CorruptError(f"{other.role} step {step} on {other.source} is not the shard the parity holds")
-                parity.xor_into(out, shard.view())
-            finally:
-                if r is not None:
-                    self.replicas.drop(job, other.role, step)  # a means to the rebuild only
-        self.replicas.begin(job, role, step, m.nbytes, m.checksum, m.header, self.node_id, kind="pulled", header_digest=m.header_digest)
+                shard = self.local(job, other.role, step) or await self._pull(job, other.role, step, [(other.source, base)])
+            except _NoIntactCopy as exc:
+                raise NotFoundError(f"cannot rebuild {role} step {step}: {exc}") from None
+            if shard.checksum != other.checksum:
+                raise CorruptError(f"{other.role} step {step} on {other.source} is not the shard the parity holds")
+            parity.xor_into(out, shard.view())
+        offset = self.replicas.begin(
+            job, role, step, m.nbytes, m.checksum, m.header, self.node_id, kind="pulled", header_digest=m.header_digest
+        )
 
         async def rebuilt_bytes() -> AsyncIterator[memoryview]:
-            yield memoryview(out)[: m.nbytes]
+            yield memoryview(out)[offset : m.nbytes]
 
-        await self.replicas.receive(job, role, step, 0, rebuilt_bytes())
+        if offset < m.nbytes:
+            await self.replicas.receive(job, role, step, offset, rebuilt_bytes())
         await self.replicas.finish(job, role, step)  # the rebuilt bytes against the primary's checksum and header digest
         self.pulled_bytes += m.nbytes
         log.info("shard rebuilt from parity", extra={"job": job, "role": role, "step": step, "members": len(acc.members)})

@@ -23,17 +23,22 @@ def _state(step: int, rank: int) -> dict[str, Any]:
     return {"w": torch.randn(256, 129 + rank, generator=g), "step": step}  # a size of its own per rank
 
 
-def _ranks(c: LocalCluster, nodes: list[int], world: int) -> list[Checkpointer]:
-    return [
-        Checkpointer("job", Layout(dp=world, dp_rank=r), socket_path=c.socket(n), private_keys=("w", "step")) for r, n in enumerate(nodes)
-    ]
+def _shared(step: int, rank: int) -> dict[str, Any]:
+    """Replicated over the ranks (DDP's), razored: every rank saves a slice, and a restore
+    gathers every rank's — a lost one's rebuilt while the others are pulled for it too."""
+    return {"w": torch.randn(300, 257, generator=torch.Generator().manual_seed(step)), "step": step}
 
 
-def _save(ranks: list[Checkpointer], steps: range) -> None:
+def _ranks(c: LocalCluster, nodes: list[int], world: int, razored: bool = False) -> list[Checkpointer]:
+    private = () if razored else ("w", "step")
+    return [Checkpointer("job", Layout(dp=world, dp_rank=r), socket_path=c.socket(n), private_keys=private) for r, n in enumerate(nodes)]
+
+
+def _save(ranks: list[Checkpointer], steps: range, state: Any = _state) -> None:
     for step in steps:
         settle_all()
         for r, ck in enumerate(ranks):
-            ck.save(step, _state(step, r))
+            ck.save(step, state(step, r))
     settle_all()
 
 
@@ -72,6 +77,35 @@ def test_a_lost_node_is_rebuilt_from_its_groups_parity_bitwise(cluster: LocalClu
         assert got is not None and got.step == 5, (r, got and got.step)
         assert torch.equal(got.state["w"], _state(5, r)["w"])
     assert "shard rebuilt from parity" in cluster.daemons[k].log()
+
+
+def test_razored_state_restored_by_every_rank_at_once_after_a_loss_rebuilds_once_bitwise(cluster: LocalCluster) -> None:
+    """Every rank restores at the same time and each gathers every rank's slice: the holder
+    rebuilds the lost one while restores pull the group's other slices it needs too (in
+    bench/memory.py they met in one transfer, and one was refused mid-way: a rebuild now pulls
+    through the same shared pulls a restore uses)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    start_ring(cluster, 4, "--parity-k", "2")
+    for i in range(4):
+        cluster.until_successor(i, f"n{(i + 1) % 4}")
+    ranks = _ranks(cluster, [0, 1, 2, 3], 4, razored=True)
+    _save(ranks, range(1, 4), _shared)
+    for ck in ranks:
+        ck.close()
+    until(lambda: (d := daemon_state(cluster, 2))["parity"]["roles"] == 2 and d, what="n0's and n1's parity on n2")
+    cluster.lose_node(1)
+    assert cluster.dataserver is not None
+    url = cluster.dataserver.url
+    until(lambda: "n1" in httpx.get(f"{url}/v1/jobs/job/status").json()["dead"], what="n1 declared dead")
+    cluster.start_daemon("--gate-chunk-kb", "64", "--parity-k", "2", index=4, budget_mb=64)
+    restored = _ranks(cluster, [0, 4, 2, 3], 4, razored=True)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda ck: ck.restore(agree=False), restored))
+    for ck in restored:
+        ck.close()
+    assert [g.step if g is not None else None for g in got] == [3, 3, 3, 3]
+    assert all(torch.equal(g.state["w"], _shared(3, 0)["w"]) for g in got if g is not None)
 
 
 def test_a_parity_holder_restarted_keeps_what_it_holds_and_rebuilds_from_it(cluster: LocalCluster) -> None:
