@@ -134,6 +134,7 @@ class Heartbeat:
                     )
             parity = self.replicas.parity
             for job in parity.jobs() if parity is not None else ():
+                assert parity is not None
                 for role, members in parity.inventory(job).items():  # a lost member's shard is rebuilt here
                     out.setdefault(job, {}).setdefault(role, []).extend(
                         {

@@ -204,9 +204,9 @@ class StateService:
         await self.replicas.finish(job, role, step)  # the rebuilt bytes against the primary's checksum and header digest
         self.pulled_bytes += m.nbytes
         log.info("shard rebuilt from parity", extra={"job": job, "role": role, "step": step, "members": len(acc.members)})
-        shard = self.local(job, role, step)
-        assert shard is not None
-        return shard
+        rebuilt = self.local(job, role, step)
+        assert rebuilt is not None
+        return rebuilt
 
     async def verify(self, job: str, step: int, roles: list[str] | None = None) -> list[str]:
         """The roles (default: every role saving here) whose shard of ``step`` held here fails its
