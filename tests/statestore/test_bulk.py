@@ -19,7 +19,7 @@ from ffplane_harness.local_cluster import LocalCluster
 from statestore.transport.bulk_wire import REPLY_HEAD_SIZE, BulkHead, BulkMeta, BulkReply, Op
 from tests._servers import TOKEN, until
 from tests.statestore.conftest import daemon_state, start_ring
-from trainer_client import Checkpointer
+from trainer_client import Checkpointer, Layout
 from trainer_client.checkpointer import settle_all
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -184,7 +184,9 @@ def test_a_roles_replica_files_are_reused_and_hold_its_bytes(cluster: LocalClust
     each push lands in the file of the version it retires (pages allocated and mapped already),
     bitwise. Settled saves keep two copies on each node (4x the shard in all), unsettled three."""
     _ring_of_two(cluster)
-    ck = Checkpointer("job", socket_path=cluster.socket(0))
+    # one role alone is settled by itself: the unsettled case is one of two roles, nobody settling
+    layout = Layout() if settled else Layout(dp=2, dp_rank=0)
+    ck = Checkpointer("job", layout, socket_path=cluster.socket(0), private_keys=("w",))
     try:
         for step in range(8):
             if settled:

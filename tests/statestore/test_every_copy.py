@@ -117,7 +117,8 @@ def test_a_header_changed_at_rest_is_a_corrupt_copy_and_the_replica_is_restored(
         raw = txn.get(key)
         tree = json.loads(raw)["header"]["tree_json"]
         assert tree.count("3") == 1, tree  # the step counter: the one 3 in the tree
-        damaged = json.dumps(json.loads(raw) | {"header": {"tree_json": tree.replace("3", "7")}}).encode()
+        record = json.loads(raw)
+        damaged = json.dumps(record | {"header": {**record["header"], "tree_json": tree.replace("3", "7")}}).encode()
         assert len(damaged) == len(raw)
         txn.put(key, damaged)
     env.close()
