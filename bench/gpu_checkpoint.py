@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, huge_tmpfs, ratio, repeat, summary, write_results  # noqa: E402
 from ffplane_harness.local_cluster import LocalCluster  # noqa: E402
-from statestore.slots import SLOTS  # noqa: E402
+from statestore.retention import DEFAULT_VERSIONS as SLOTS  # noqa: E402  (slots per role, settled saves)
 from trainer_client import Checkpointer  # noqa: E402
 from trainer_client._device_copy import copy_now  # noqa: E402
 from trainer_client._restore import map_file  # noqa: E402
