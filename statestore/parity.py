@@ -151,6 +151,13 @@ class ParityStore:
         self._record(acc)
         return m
 
+    def purge(self, idle_s: float) -> None:
+        """A push idle this long (its sender died or stalled) holds part of a member no one can
+        take out: its accumulator goes, as for a transfer of a whole replica."""
+        now = time.monotonic()
+        for a in [a for a in self._arrivals.values() if now - a.touched > idle_s]:
+            self._poison(a.acc, f"a push of {a.member.role} step {a.member.step} idle for {idle_s:.0f} s")
+
     # --- what is held ----------------------------------------------------------------------
     def covers(self, job: str, role: str, step: int) -> Accumulator | None:
         """The accumulator that can rebuild ``role``'s shard of ``step``, if any: one a push is

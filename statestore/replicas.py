@@ -425,6 +425,8 @@ class ReplicaStore:
         is never too old: a restore asks for the older step on purpose (the soak found pulls
         dropped here, restarted, and dropped again, for ever)."""
         now = time.monotonic()
+        if self.parity is not None:
+            self.parity.purge(idle_s)
         for key, inc in list(self._incoming.items()):
             job, role, step = key
             kept = self.complete.get((job, role), {})

@@ -92,7 +92,7 @@ class Replicator:
         successor holds the version ``max_lag - 1`` commits back (``step`` itself by default).
         The worker's next all-reduce waits for that answer (``LinkHints.ddp_comm_hook``), so a
         node that dies having finished step T's all-reduce leaves a replica of T-1, which the
-        survivors' three versions include: at most one lost step (docs/decisions.md, "Replica
+        survivors' kept versions include: at most one lost step (docs/decisions.md, "Replica
         lag is bounded"). The push had the next step's forward pass to run in, so this rarely
         waits; the awaited push passes TRAIN's signals. At most ``wait_s`` (a successor that
         stops answering is declared dead and replaced well within it), then it logs that the

@@ -65,6 +65,7 @@ def state(node: NodeDep) -> dict[str, Any]:
     """Roles, committed versions (step, bytes, checksum, slot), unique and razored bytes,
     slot use, and the latency of each save's blocking part and of its commit."""
     config, slots, replicas, service = node.root.config, node.root.slots, node.root.replicas, node.state
+    roles = slots.describe(service.replicator is not None, config.parity_k)  # once: the node's figures sum them
     return {
         "slot_bytes": slots.slot_bytes(),
         "budget_bytes": node.root.budget.total,
@@ -75,8 +76,8 @@ def state(node: NodeDep) -> dict[str, Any]:
         "node_id": config.node_id,
         "coordinator": node.heartbeat.view,
         "versions": config.versions,
-        "held": _held(slots, replicas, service.replicator is not None, config.parity_k),
-        "roles": slots.describe(service.replicator is not None, config.parity_k),
+        "held": _held(roles, slots, replicas),
+        "roles": roles,
         "parity_k": config.parity_k,
         "parity": replicas.parity.memory() if replicas.parity is not None else None,
         "replicas": replicas.describe(),
@@ -95,9 +96,8 @@ def state(node: NodeDep) -> dict[str, Any]:
     }
 
 
-def _held(slots: SlotStore, replicas: ReplicaStore, replicated: bool, parity_k: int) -> dict[str, Any]:
-    """What this node holds of checkpoints, as a multiple of its own roles' shards."""
-    roles = slots.describe(replicated, parity_k)
+def _held(roles: list[dict[str, Any]], slots: SlotStore, replicas: ReplicaStore) -> dict[str, Any]:
+    """What this node holds of checkpoints, as a multiple of its own ``roles``' shards."""
     shards = sum(r["memory"]["shard_bytes"] for r in roles)
     here, held = slots.slot_bytes(), replicas.held_bytes()
     return {

@@ -131,19 +131,6 @@ def test_a_parity_holder_restarted_keeps_what_it_holds_and_rebuilds_from_it(clus
     assert got is not None and got.step == 2 and torch.equal(got.state["w"], _state(2, 0)["w"])
 
 
-def test_parity_k_one_is_refused_in_a_line() -> None:
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-m", "statestore", "serve", "--dataserver", "http://127.0.0.1:9", "--parity-k", "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 2 and "Traceback" not in out.stderr and "--parity-k 1 is a whole replica" in out.stderr
-
-
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 

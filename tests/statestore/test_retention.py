@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 
 from ffplane_harness.local_cluster import LocalCluster
@@ -124,16 +125,20 @@ def test_a_larger_versions_budget_is_kept_and_shown(cluster: LocalCluster) -> No
     until(lambda: daemon_state(cluster, 1)["replica_memory"][0]["files"] == 3, what="three replica files on n1")
 
 
-def test_one_version_is_refused_naming_what_it_would_lose() -> None:
+@pytest.mark.parametrize(
+    "flag, says",
+    [("--versions", "--versions 1 cannot survive a node loss"), ("--parity-k", "--parity-k 1 is a whole replica")],
+)
+def test_a_budget_that_cannot_keep_its_bound_is_refused_in_a_line(flag: str, says: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "statestore", "serve", "--dataserver", "http://127.0.0.1:9", "--versions", "1"],
+        [sys.executable, "-m", "statestore", "serve", "--dataserver", "http://127.0.0.1:9", flag, "1"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     (line,) = out.stderr.strip().splitlines()
-    assert "--versions 1 cannot survive a node loss" in line and "at least 2" in line
+    assert says in line
 
 
 def test_a_save_into_a_slot_reserved_for_a_settled_save_survives_a_daemon_restart(
